@@ -1,0 +1,274 @@
+//! Pipeline files: the typed configuration, its loading and its validation.
+//!
+//! A pipeline file is TOML with one `[pipeline]` section, one `[source]`, any number of
+//! `[projections.NAME]` and `[sinks.NAME]`. String values may reference the environment with
+//! `${VAR}` / `${VAR:-default}` ([`interpolate`]). Loading ([`load`]) reports every error with the
+//! file, line and field path; [`PipelineFile::validate`] holds every semantic rule in one place.
+//! The JSON Schema in `schemas/pipeline.schema.json` is generated from these types
+//! ([`json_schema`]) and checked by a test.
+//!
+//! Relative paths in a pipeline file are relative to the working directory of the process (like
+//! the environment contract's `./state` and `./out`).
+
+pub mod interpolate;
+mod load;
+mod validate;
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+pub use load::{ConfigError, ConfigErrors, LoadedPipeline, load, load_str};
+pub use validate::mask_url;
+
+/// Default events per batch: large enough to amortize a sink round trip, small enough that a
+/// batch of wide rows stays within a few MiB.
+pub const DEFAULT_BATCH_MAX_EVENTS: usize = 5_000;
+/// Default bytes (of raw input) per batch: bounds memory whatever the event size.
+pub const DEFAULT_BATCH_MAX_BYTES: u64 = 8 * 1024 * 1024;
+/// Default wait before a partial batch is flushed: keeps read-model lag under a second when idle.
+pub const DEFAULT_BATCH_MAX_DELAY_MS: u64 = 200;
+/// Default batches queued per sink before the source is paused (backpressure).
+pub const DEFAULT_QUEUE_DEPTH: usize = 4;
+/// Default poll interval of the file source at end of file: a human-scale tail latency that
+/// costs nothing when idle.
+pub const DEFAULT_FILE_POLL_MS: u64 = 250;
+/// Default concurrent object writes: object stores answer each PUT in milliseconds, so tens of
+/// requests in flight are needed to reach thousands of objects per second.
+pub const DEFAULT_OBJECT_CONCURRENCY: usize = 32;
+
+/// A pipeline file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineFile {
+    /// Settings of the pipeline as a whole.
+    pub pipeline: PipelineSection,
+    /// Where change events come from.
+    pub source: SourceConfig,
+    /// Transformations from change events to write operations, by name.
+    #[serde(default)]
+    pub projections: BTreeMap<String, ProjectionConfig>,
+    /// Where write operations go, by name.
+    #[serde(default)]
+    pub sinks: BTreeMap<String, SinkConfig>,
+}
+
+/// The `[pipeline]` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineSection {
+    /// Name of the pipeline: names its checkpoint and state under `state_dir`. Letters, digits,
+    /// `-` and `_`.
+    pub name: String,
+    /// Directory for checkpoints and projection state (`${STATE_DIR:-./state}` in shipped files).
+    #[serde(default = "default_state_dir")]
+    pub state_dir: String,
+    /// What to do with bad input (undecodable event, unknown table, value a sink cannot hold):
+    /// `dead_letter` (default) records it and goes on, `stop` stops the pipeline with an error.
+    #[serde(default)]
+    pub on_error: OnError,
+    /// How events are grouped into batches.
+    #[serde(default)]
+    pub batch: BatchConfig,
+    /// Where bad input is recorded.
+    #[serde(default)]
+    pub dead_letter: DeadLetterConfig,
+    /// Batches queued per sink before the source is paused (backpressure), 1 to 64.
+    #[serde(default = "default_queue_depth")]
+    pub queue_depth: usize,
+}
+
+fn default_state_dir() -> String {
+    "./state".into()
+}
+
+fn default_queue_depth() -> usize {
+    DEFAULT_QUEUE_DEPTH
+}
+
+/// Bad-input policy.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OnError {
+    /// Record the input, its position and the reason in the dead-letter store; go on.
+    #[default]
+    DeadLetter,
+    /// Make everything before the bad input durable, then stop with a non-zero exit.
+    Stop,
+}
+
+/// Batching limits; a batch is cut at whichever comes first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BatchConfig {
+    /// Most events per batch, 1 to 1,000,000.
+    #[serde(default = "default_max_events")]
+    pub max_events: usize,
+    /// Most bytes of raw input per batch, 1 KiB to 1 GiB.
+    #[serde(default = "default_max_bytes")]
+    pub max_bytes: u64,
+    /// Longest a partial batch waits for more events, in milliseconds (0 to 60,000).
+    #[serde(default = "default_max_delay_ms")]
+    pub max_delay_ms: u64,
+}
+
+impl Default for BatchConfig {
+    fn default() -> Self {
+        Self {
+            max_events: DEFAULT_BATCH_MAX_EVENTS,
+            max_bytes: DEFAULT_BATCH_MAX_BYTES,
+            max_delay_ms: DEFAULT_BATCH_MAX_DELAY_MS,
+        }
+    }
+}
+
+fn default_max_events() -> usize {
+    DEFAULT_BATCH_MAX_EVENTS
+}
+fn default_max_bytes() -> u64 {
+    DEFAULT_BATCH_MAX_BYTES
+}
+fn default_max_delay_ms() -> u64 {
+    DEFAULT_BATCH_MAX_DELAY_MS
+}
+
+/// The dead-letter store: a local NDJSON file (`path`) or NDJSON objects under an object-store
+/// URL (`url`). Default: `{state_dir}/{name}/dead-letters.ndjson`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeadLetterConfig {
+    /// Local NDJSON file, appended to and synced before the checkpoint passes its entries.
+    #[serde(default)]
+    pub path: Option<String>,
+    /// Object-store prefix (`file:///…`, `s3://…`, `gs://…`, `az://…`): one NDJSON object per batch
+    /// that had bad input, named by its position range.
+    #[serde(default)]
+    pub url: Option<String>,
+}
+
+/// The source of change events.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum SourceConfig {
+    /// A file of Debezium envelopes, one JSON object per line.
+    File(FileSourceConfig),
+}
+
+/// `kind = "file"`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FileSourceConfig {
+    /// Path of the change log. The daemon follows it as it grows; `--until-caught-up` stops at its end.
+    pub path: String,
+    /// How often to look for new lines at end of file, in milliseconds (10 to 60,000).
+    #[serde(default = "default_poll_ms")]
+    pub poll_interval_ms: u64,
+    /// Threads decoding lines in parallel (1 to 64); 0 means one per available core.
+    #[serde(default)]
+    pub decode_threads: usize,
+}
+
+fn default_poll_ms() -> u64 {
+    DEFAULT_FILE_POLL_MS
+}
+
+/// A projection: change events in, write operations out.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ProjectionConfig {
+    /// The current state of each row, one document per primary key.
+    Replica(ReplicaProjectionConfig),
+}
+
+impl ProjectionConfig {
+    /// The sinks this projection writes to.
+    pub fn sinks(&self) -> &[String] {
+        match self {
+            ProjectionConfig::Replica(c) => &c.sinks,
+        }
+    }
+}
+
+/// `kind = "replica"`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaProjectionConfig {
+    /// Tables to replicate (`table` or `schema.table`); empty means every table.
+    #[serde(default)]
+    pub tables: Vec<String>,
+    /// Key columns per table (`"public.book_authors" = ["book_id", "author_id"]`), used when the
+    /// record carries no key of its own.
+    #[serde(default)]
+    pub key_columns: BTreeMap<String, Vec<String>>,
+    /// Key columns of tables not listed in `key_columns`.
+    #[serde(default = "default_key")]
+    pub default_key: Vec<String>,
+    /// Name of the collection a table's documents go to; `{table}` and `{schema}` are replaced.
+    #[serde(default = "default_collection")]
+    pub collection: String,
+    /// Sinks the documents are written to.
+    pub sinks: Vec<String>,
+}
+
+fn default_key() -> Vec<String> {
+    vec!["id".into()]
+}
+fn default_collection() -> String {
+    "{table}".into()
+}
+
+/// A sink: where write operations are applied.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum SinkConfig {
+    /// One JSON object per document at `{url}/{collection}/{key}.json`.
+    ObjectJson(ObjectJsonSinkConfig),
+    /// Discards everything (benchmarks, dry runs).
+    Null(NullSinkConfig),
+}
+
+impl SinkConfig {
+    /// The `kind` tag as written in pipeline files.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            SinkConfig::ObjectJson(_) => "object_json",
+            SinkConfig::Null(_) => "null",
+        }
+    }
+}
+
+/// `kind = "object_json"`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ObjectJsonSinkConfig {
+    /// Object-store URL: `file:///abs/dir`, `s3://bucket/prefix`, `gs://…`, `az://…`, `memory:///`.
+    /// Cloud credentials come from the usual environment variables (`AWS_*`, `GOOGLE_*`, `AZURE_*`).
+    pub url: String,
+    /// Object writes in flight at once, 1 to 1,024.
+    #[serde(default = "default_concurrency")]
+    pub concurrency: usize,
+    /// Pretty-print the documents.
+    #[serde(default)]
+    pub pretty: bool,
+}
+
+fn default_concurrency() -> usize {
+    DEFAULT_OBJECT_CONCURRENCY
+}
+
+/// `kind = "null"`: no settings.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NullSinkConfig {}
+
+/// The JSON Schema of pipeline files, as committed in `schemas/pipeline.schema.json`.
+pub fn json_schema() -> String {
+    let schema = schemars::schema_for!(PipelineFile);
+    let mut text = serde_json::to_string_pretty(&schema).expect("a JSON Schema serializes");
+    text.push('\n');
+    text
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,327 @@
+//! Debezium JSON codec: decodes one record as Debezium's JsonConverter writes it.
+//!
+//! Accepted shapes, one JSON object per record:
+//! - the bare envelope (`schemas.enable=false`): `{"before":…,"after":…,"op":"u","source":{…}}`;
+//! - the wrapped envelope (`schemas.enable=true`): `{"schema":{…},"payload":{…envelope…}}`, whose
+//!   schema's logical types are honoured (see [`logical`]);
+//! - a key/value record as tools like kcat dump topics: `{"key":…,"value":…}`, where each side may
+//!   itself be wrapped; a `null` value is a tombstone;
+//! - Debezium's transaction metadata: `{"status":"BEGIN"|"END","id":"…","event_count":…}`.
+//!
+//! Every failure is a [`DecodeError`] carrying the record's position and a readable reason, so the
+//! runtime can dead-letter it.
+
+pub mod logical;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::value::RawValue;
+use serde_json::Value;
+
+use crate::event::{
+    ChangeEvent, KafkaCoordinates, Op, Position, Record, Row, SourceInfo, TableId, TxBoundary,
+    TxInfo, TxStatus,
+};
+use logical::EnvelopeSchema;
+
+/// How many distinct envelope schemas a decoder remembers; wrapped records repeat a handful of
+/// schemas (one per table and version), so a small cache avoids re-reading them on every line.
+const SCHEMA_CACHE_CAPACITY: usize = 256;
+
+/// A record that could not be decoded: where it was and why.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("cannot decode record at {position}: {reason}")]
+pub struct DecodeError {
+    /// The position of the undecodable record.
+    pub position: Position,
+    /// Why it could not be decoded, in a sentence.
+    pub reason: String,
+}
+
+/// A reusable decoder; it caches the envelope schemas of wrapped records.
+#[derive(Default)]
+pub struct DebeziumDecoder {
+    schemas: HashMap<Box<str>, Arc<EnvelopeSchema>>,
+}
+
+/// The outer JSON object, whatever its shape; absent fields stay `None`. One flat struct (no
+/// `#[serde(flatten)]`, which buffers) keeps decoding on serde_json's fast path.
+#[derive(Deserialize, Default)]
+struct RawRecord<'a> {
+    // Wrapper and key/value forms.
+    #[serde(borrow, default)]
+    schema: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    payload: Option<Option<&'a RawValue>>,
+    #[serde(borrow, default)]
+    key: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    value: Option<Option<&'a RawValue>>,
+    // The envelope proper.
+    #[serde(default)]
+    before: Option<Row>,
+    #[serde(default)]
+    after: Option<Row>,
+    #[serde(default)]
+    op: Option<String>,
+    #[serde(default)]
+    source: Option<RawSource>,
+    #[serde(default)]
+    transaction: Option<RawTx>,
+    // Transaction metadata records.
+    #[serde(default)]
+    status: Option<String>,
+    #[serde(default)]
+    id: Option<Value>,
+    #[serde(default)]
+    event_count: Option<u64>,
+    #[serde(default)]
+    ts_ms: Option<i64>,
+}
+
+#[derive(Deserialize, Default)]
+struct RawSource {
+    #[serde(default)]
+    connector: Option<String>,
+    #[serde(default)]
+    db: Option<String>,
+    #[serde(default)]
+    schema: Option<String>,
+    #[serde(default)]
+    table: Option<String>,
+    #[serde(default)]
+    lsn: Option<u64>,
+    #[serde(default, rename = "txId")]
+    tx_id: Option<i64>,
+    #[serde(default)]
+    ts_ms: Option<i64>,
+    #[serde(default)]
+    topic: Option<String>,
+    #[serde(default)]
+    partition: Option<i32>,
+    #[serde(default)]
+    offset: Option<i64>,
+}
+
+#[derive(Deserialize)]
+struct RawTx {
+    id: Value,
+    #[serde(default)]
+    total_order: Option<u64>,
+    #[serde(default)]
+    data_collection_order: Option<u64>,
+}
+
+/// Distinguishes a field that is present but `null` (`Some(None)`) from one that is absent.
+fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Ok(Some(Option::deserialize(d)?))
+}
+
+impl DebeziumDecoder {
+    /// A decoder with an empty schema cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Decodes one record (one line of a change log, or one Kafka value).
+    pub fn decode(&mut self, bytes: &[u8], position: Position) -> Result<Record, DecodeError> {
+        let fail = |reason: String| DecodeError { position: position.clone(), reason };
+        if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            let reason = match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
+                Err(e) => json_reason(&e),
+                Ok(_) => "unexpected record shape: expected a JSON object".to_owned(),
+            };
+            return Err(fail(reason));
+        }
+        let raw: RawRecord<'_> = serde_json::from_slice(bytes).map_err(|e| fail(json_reason(&e)))?;
+        self.decode_record(raw, &position).map_err(fail)
+    }
+
+    fn decode_record(&mut self, raw: RawRecord<'_>, position: &Position) -> Result<Record, String> {
+        // Key/value record: decode the key (if any) and the value separately.
+        if let Some(value) = raw.value {
+            let key = match raw.key {
+                Some(k) => self.decode_key(k)?,
+                None => None,
+            };
+            let Some(value) = value else {
+                return Ok(Record::Tombstone(position.clone()));
+            };
+            let inner: RawRecord<'_> = parse_borrowed(value.get(), "`value`")?;
+            let mut record = self.decode_record(inner, position)?;
+            if let (Record::Change(event), Some(key)) = (&mut record, key) {
+                event.key = Some(Arc::new(key));
+            }
+            return Ok(record);
+        }
+        // Wrapped envelope.
+        if let Some(payload) = raw.payload {
+            let Some(payload) = payload else {
+                return Ok(Record::Tombstone(position.clone()));
+            };
+            let schema = match raw.schema {
+                Some(s) => Some(self.schema(s)?),
+                None => None,
+            };
+            let envelope: RawRecord<'_> = parse_borrowed(payload.get(), "`payload`")?;
+            return build(envelope, schema.as_deref(), position);
+        }
+        build(raw, None, position)
+    }
+
+    fn decode_key(&mut self, key: &RawValue) -> Result<Option<Row>, String> {
+        let value: Value = parse(key.get(), "`key`")?;
+        let Value::Object(mut obj) = value else {
+            return match value {
+                Value::Null => Ok(None),
+                _ => Err("`key` is not a JSON object".into()),
+            };
+        };
+        // A wrapped key: {"schema":…,"payload":{…}}.
+        if obj.len() == 2 && obj.contains_key("schema") && obj.contains_key("payload") {
+            let schema = obj.remove("schema").unwrap_or(Value::Null);
+            let payload = obj.remove("payload").unwrap_or(Value::Null);
+            let Value::Object(mut row) = payload else {
+                return Ok(None);
+            };
+            let converter = logical::RowSchema::compile(&schema).map_err(|e| format!("key schema: {e}"))?;
+            converter.convert(&mut row).map_err(|e| format!("key: {e}"))?;
+            return Ok(Some(row));
+        }
+        Ok(Some(obj))
+    }
+
+    fn schema(&mut self, raw: &RawValue) -> Result<Arc<EnvelopeSchema>, String> {
+        if let Some(s) = self.schemas.get(raw.get()) {
+            return Ok(s.clone());
+        }
+        let value: Value = parse(raw.get(), "`schema`")?;
+        let compiled = Arc::new(EnvelopeSchema::compile(&value)?);
+        if self.schemas.len() >= SCHEMA_CACHE_CAPACITY {
+            self.schemas.clear();
+        }
+        self.schemas.insert(raw.get().into(), compiled.clone());
+        Ok(compiled)
+    }
+}
+
+fn parse<T: DeserializeOwned>(text: &str, what: &str) -> Result<T, String> {
+    serde_json::from_str(text).map_err(|e| format!("{what}: {}", json_reason(&e)))
+}
+
+fn parse_borrowed<'a, T: Deserialize<'a>>(text: &'a str, what: &str) -> Result<T, String> {
+    serde_json::from_str(text).map_err(|e| format!("{what}: {}", json_reason(&e)))
+}
+
+/// Turns a serde_json error into a sentence that says whether the record was cut short.
+fn json_reason(e: &serde_json::Error) -> String {
+    if e.is_eof() {
+        format!("truncated JSON (input ends early): {e}")
+    } else if e.is_syntax() {
+        format!("invalid JSON: {e}")
+    } else {
+        format!("unexpected record shape: {e}")
+    }
+}
+
+/// Builds a [`Record`] from envelope fields, converting logical types when a schema is known.
+fn build(
+    env: RawRecord<'_>,
+    schema: Option<&EnvelopeSchema>,
+    position: &Position,
+) -> Result<Record, String> {
+    let Some(op_code) = env.op else {
+        return transaction_marker(env.status, env.id, env.event_count, env.ts_ms, position);
+    };
+    let op = Op::from_code(&op_code)
+        .ok_or_else(|| format!("unknown op `{op_code}` (expected one of c, u, d, r, t)"))?;
+    let source = env.source.ok_or("missing `source` block")?;
+    let Some(table) = source.table.clone() else {
+        return Err("missing `source.table`".into());
+    };
+    let schema_name = source.schema.clone().or_else(|| source.db.clone()).unwrap_or_default();
+
+    let mut before = env.before;
+    let mut after = env.after;
+    if let Some(schema) = schema {
+        if let (Some(row), Some(conv)) = (before.as_mut(), schema.before.as_ref()) {
+            conv.convert(row).map_err(|e| format!("`before`: {e}"))?;
+        }
+        if let (Some(row), Some(conv)) = (after.as_mut(), schema.after.as_ref()) {
+            conv.convert(row).map_err(|e| format!("`after`: {e}"))?;
+        }
+    }
+    match op {
+        Op::Create | Op::Read | Op::Update if after.is_none() => {
+            return Err(format!("op `{op_code}` without an `after` image"));
+        }
+        Op::Delete if before.is_none() => {
+            return Err("op `d` without a `before` image".into());
+        }
+        _ => {}
+    }
+    let transaction = match env.transaction {
+        Some(tx) => Some(TxInfo {
+            id: id_string(tx.id).ok_or("`transaction.id` is not a string or number")?,
+            total_order: tx.total_order,
+            data_collection_order: tx.data_collection_order,
+        }),
+        None => None,
+    };
+    let kafka = match (source.topic, source.partition, source.offset) {
+        (Some(topic), Some(partition), Some(offset)) => Some(KafkaCoordinates { topic, partition, offset }),
+        _ => None,
+    };
+    Ok(Record::Change(ChangeEvent {
+        table: TableId::new(&schema_name, &table),
+        op,
+        key: None,
+        before: before.map(Arc::new),
+        after: after.map(Arc::new),
+        source: SourceInfo {
+            connector: source.connector,
+            db: source.db,
+            ts_ms: source.ts_ms.or(env.ts_ms),
+            tx_id: source.tx_id,
+            lsn: source.lsn,
+            kafka,
+        },
+        transaction,
+        position: position.clone(),
+    }))
+}
+
+fn transaction_marker(
+    status: Option<String>,
+    id: Option<Value>,
+    event_count: Option<u64>,
+    ts_ms: Option<i64>,
+    position: &Position,
+) -> Result<Record, String> {
+    let status = match status.as_deref() {
+        Some("BEGIN") => TxStatus::Begin,
+        Some("END") => TxStatus::End,
+        Some(other) => return Err(format!("unknown transaction status `{other}` (expected BEGIN or END)")),
+        None => return Err("missing `op` (not a change event nor a transaction marker)".into()),
+    };
+    let id = id.and_then(id_string).ok_or("transaction marker without a string `id`")?;
+    Ok(Record::Transaction(TxBoundary { status, id, event_count, ts_ms, position: position.clone() }))
+}
+
+fn id_string(v: Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,11 @@
+//! refract's shared vocabulary: the change-event model, the Debezium JSON codec and the
+//! pipeline-file configuration (types, loading with located errors, validation, JSON Schema).
+//!
+//! Nothing here does IO beyond reading a pipeline file; sources, projections and sinks all speak
+//! these types.
+
+pub mod config;
+pub mod debezium;
+pub mod event;
+
+pub use event::{ChangeEvent, Checkpoint, Offset, Op, Position, Record, Row, TableId};
