@@ -1,1 +1,168 @@
-//! placeholder
+//! Sources and sinks: every byte refract reads or writes goes through this crate.
+//!
+//! [`registry`] is the one place that turns configuration into connectors: grep it to see every
+//! source and sink kind.
+
+pub mod dead_letter;
+pub mod registry;
+pub mod sinks;
+pub mod sources;
+
+
+use async_trait::async_trait;
+use refract_projections::WriteOp;
+use refract_schemas::debezium::DecodeError;
+use refract_schemas::{Checkpoint, Record};
+use tokio::sync::watch;
+
+/// A batch of write operations for one sink, in source order.
+#[derive(Debug, Default)]
+pub struct SinkBatch {
+    /// Sequence number of the runtime batch this belongs to (strictly increasing).
+    pub seq: u64,
+    /// The operations, in the order the source emitted the changes that produced them.
+    pub ops: Vec<WriteOp>,
+}
+
+/// What a sink did with a batch.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct WriteReport {
+    /// Documents written or replaced.
+    pub upserted: u64,
+    /// Documents deleted.
+    pub deleted: u64,
+    /// Operations made redundant by a later operation on the same key in the same batch.
+    pub coalesced: u64,
+}
+
+/// A sink applies write operations to one read model.
+///
+/// **Delivery contract.** The runtime hands batches to [`Sink::write`] one at a time, in source
+/// order, and relies on these rules:
+/// - *At-least-once, idempotent.* After a crash the runtime replays every change past the last
+///   checkpoint, so a sink sees operations it already applied. Applying an operation twice must
+///   leave the same state as applying it once (upserts keyed by document key, deletes of absent
+///   documents succeed, file names derived from positions).
+/// - *Order per key.* Two operations on the same key are applied in batch order. Operations on
+///   different keys may be applied in any order or concurrently.
+/// - *Durable on return.* When `write` returns `Ok`, the batch's effects survive a crash of this
+///   process; only then may the runtime checkpoint past it. A sink that buffers must not return
+///   before its buffer is durable.
+/// - *Classified errors.* A [`SinkError`] that [`is_retryable`](SinkError::is_retryable) makes the
+///   runtime retry the same batch with backoff while the checkpoint stays put; any other error
+///   stops the pipeline loudly. A sink never skips an operation to make progress.
+#[async_trait]
+pub trait Sink: Send {
+    /// The sink's name in the pipeline file.
+    fn name(&self) -> &str;
+
+    /// Connects and prepares the target (creating what is missing). Called once before writes;
+    /// retried by the runtime on retryable errors.
+    async fn open(&mut self) -> Result<(), SinkError>;
+
+    /// Applies a batch durably (see the trait documentation).
+    async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError>;
+
+    /// Flushes and releases resources at shutdown.
+    async fn close(&mut self) -> Result<(), SinkError>;
+}
+
+/// A sink failure, classified for the retry policy.
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    /// The target is unreachable or failed in a way that may pass (network, 5xx, timeouts).
+    #[error("sink `{sink}`: {message}")]
+    Transient {
+        /// The sink's name.
+        sink: String,
+        /// What failed.
+        message: String,
+        /// The underlying error.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
+    /// A failure that retrying cannot fix (bad configuration, permissions, invalid data).
+    #[error("sink `{sink}`: {message}")]
+    Permanent {
+        /// The sink's name.
+        sink: String,
+        /// What failed.
+        message: String,
+        /// The underlying error.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
+}
+
+impl SinkError {
+    /// Whether the runtime should retry the batch.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, SinkError::Transient { .. })
+    }
+}
+
+/// One item read by a source: a decoded record or the reason it could not be decoded, with the
+/// raw input kept for the dead-letter store.
+#[derive(Debug)]
+pub struct SourceItem {
+    /// The decoded record, or why decoding failed.
+    pub record: Result<Record, DecodeError>,
+    /// The raw input (one line, one Kafka value).
+    pub raw: bytes::Bytes,
+}
+
+/// How far a source reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadMode {
+    /// Keep following the source for new changes (daemon).
+    Follow,
+    /// Stop once the end of the source as of now is reached (`--until-caught-up`).
+    UntilCaughtUp,
+}
+
+/// A source of change records.
+///
+/// Sources deliver items in position order per partition, resume strictly after the checkpoint
+/// they are started with, and learn which positions are durable in every sink through the
+/// `durable` channel (a PostgreSQL source confirms them to the slot, a Kafka source commits them).
+#[async_trait]
+pub trait Source: Send {
+    /// Starts reading after `checkpoint`.
+    async fn start(
+        &mut self,
+        checkpoint: &Checkpoint,
+        mode: ReadMode,
+        durable: watch::Receiver<Checkpoint>,
+    ) -> Result<(), SourceError>;
+
+    /// The next items in source order, `None` once caught up (in [`ReadMode::UntilCaughtUp`]) or
+    /// stopped.
+    async fn next_chunk(&mut self) -> Result<Option<Vec<SourceItem>>, SourceError>;
+
+    /// Asks the source to stop: items already read are still returned, then `None`.
+    fn stop(&mut self);
+
+    /// Progress as (bytes or events done, total), when the source knows its size.
+    fn progress(&self) -> Option<(u64, u64)> {
+        None
+    }
+}
+
+/// A source failure.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    /// Reading failed.
+    #[error("source: {message}")]
+    Io {
+        /// What failed.
+        message: String,
+        /// The underlying error.
+        #[source]
+        source: Option<std::io::Error>,
+    },
+    /// The checkpoint does not fit the source (file replaced, slot lost): resuming would lose or
+    /// repeat data, so refract refuses.
+    #[error("source: {0}")]
+    Inconsistent(String),
+}
+

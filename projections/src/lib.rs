@@ -1,1 +1,89 @@
-//! placeholder
+//! Projections: pure, synchronous transformations from change events to write operations.
+//!
+//! A projection sees one [`ChangeEvent`] at a time (plus whatever state is handed to it and the
+//! current time) and appends [`WriteOp`]s for the sinks. No IO, no async runtime, no clients, no
+//! clock: everything a projection does can be replayed and tested from a file of events.
+
+pub mod replica;
+
+use std::sync::Arc;
+
+use refract_schemas::{ChangeEvent, Position, Row, TableId};
+
+/// One operation on a read model, produced by a projection and applied by a sink.
+#[derive(Clone, Debug, PartialEq)]
+pub enum WriteOp {
+    /// Create or replace the document `key` of `collection`.
+    Upsert {
+        /// Collection (table, directory, key prefix) the document belongs to.
+        collection: Arc<str>,
+        /// The document's key, unique within the collection.
+        key: String,
+        /// The document.
+        doc: Arc<Row>,
+        /// Position of the change that produced it (sinks use it to guard against replays).
+        position: Position,
+    },
+    /// Remove the document `key` of `collection` (absent documents are fine: deletes are idempotent).
+    Delete {
+        /// Collection of the document.
+        collection: Arc<str>,
+        /// Key of the document.
+        key: String,
+        /// Position of the change that produced it.
+        position: Position,
+    },
+    /// Remove every document of `collection`.
+    Truncate {
+        /// The collection to empty.
+        collection: Arc<str>,
+        /// Position of the change that produced it.
+        position: Position,
+    },
+}
+
+impl WriteOp {
+    /// The collection the operation touches.
+    pub fn collection(&self) -> &str {
+        match self {
+            WriteOp::Upsert { collection, .. } | WriteOp::Delete { collection, .. } | WriteOp::Truncate { collection, .. } => {
+                collection
+            }
+        }
+    }
+
+    /// A rough size in bytes, for batching by bytes.
+    pub fn approx_bytes(&self) -> usize {
+        match self {
+            WriteOp::Upsert { key, doc, .. } => key.len() + 64 + doc.len() * 32,
+            WriteOp::Delete { key, .. } => key.len() + 32,
+            WriteOp::Truncate { .. } => 32,
+        }
+    }
+}
+
+/// Why a projection could not handle an event; the runtime dead-letters the event or stops.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProjectionError {
+    /// The event has no record key and lacks (or has null) key columns.
+    #[error("table `{table}`: no key: column `{column}` is missing or null in the row")]
+    MissingKey {
+        /// The event's table.
+        table: String,
+        /// The first key column that was missing.
+        column: String,
+    },
+    /// Any other reason the event cannot be projected.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// A pure transformation from change events to write operations.
+pub trait Projection: Send {
+    /// Whether events of `table` concern this projection.
+    fn reads(&self, table: &TableId) -> bool;
+
+    /// Appends the write operations `event` implies to `out`. `now_ms` is the wall-clock time the
+    /// runtime handed in (milliseconds since the epoch), for time-based projections.
+    fn project(&mut self, event: &ChangeEvent, now_ms: i64, out: &mut Vec<WriteOp>) -> Result<(), ProjectionError>;
+}

@@ -1,0 +1,24 @@
+//! The one place that turns configuration into connectors. Every source and sink kind refract
+//! knows is in these two `match`es.
+
+use refract_schemas::config::{SinkConfig, SourceConfig};
+
+use crate::sinks::null::NullSink;
+use crate::sinks::object_json::ObjectJsonSink;
+use crate::sources::file::FileSource;
+use crate::{Sink, Source};
+
+/// Builds the configured source (not yet started).
+pub fn build_source(config: &SourceConfig) -> Box<dyn Source> {
+    match config {
+        SourceConfig::File(c) => Box::new(FileSource::new(c.clone())),
+    }
+}
+
+/// Builds the sink `name` (not yet opened).
+pub fn build_sink(name: &str, config: &SinkConfig) -> Box<dyn Sink> {
+    match config {
+        SinkConfig::ObjectJson(c) => Box::new(ObjectJsonSink::new(name, c.clone())),
+        SinkConfig::Null(_) => Box::new(NullSink::new(name)),
+    }
+}

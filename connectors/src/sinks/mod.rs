@@ -1,0 +1,4 @@
+//! Sinks: where write operations are applied. One file per kind; see [`crate::registry`].
+
+pub mod null;
+pub mod object_json;

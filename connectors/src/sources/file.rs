@@ -1,0 +1,353 @@
+//! `kind = "file"`: a change log of Debezium envelopes, one JSON object per line.
+//!
+//! One partition, named after the configured path. A line's position is the byte offset just past
+//! its newline, so a checkpoint is exactly where to resume. A reader thread reads large chunks,
+//! splits them into lines and decodes them on `decode_threads` threads, keeping line order; the
+//! bounded channel to the runtime is the backpressure. In follow mode the reader waits at end of
+//! file for more lines; a line without its newline is only taken as complete at the end of an
+//! `--until-caught-up` run.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use refract_schemas::config::FileSourceConfig;
+use refract_schemas::debezium::DebeziumDecoder;
+use refract_schemas::{Checkpoint, Offset, Position};
+use tokio::sync::{mpsc, watch};
+
+use crate::{ReadMode, Source, SourceError, SourceItem};
+
+/// Bytes read per chunk: big enough that per-chunk overhead (a thread fork-join, a channel send)
+/// is negligible, small enough that a chunk's decoded events stay a few MiB.
+const CHUNK_BYTES: usize = 2 * 1024 * 1024;
+/// Decoded chunks buffered ahead of the runtime.
+const CHANNEL_CHUNKS: usize = 4;
+/// Lines below which a chunk is decoded on one thread: forking costs more than it saves.
+const PARALLEL_MIN_LINES: usize = 256;
+
+/// The file source.
+pub struct FileSource {
+    config: FileSourceConfig,
+    partition: Arc<str>,
+    stop: Arc<AtomicBool>,
+    done_bytes: Arc<AtomicU64>,
+    total_bytes: Arc<AtomicU64>,
+    rx: Option<mpsc::Receiver<Result<Vec<SourceItem>, SourceError>>>,
+}
+
+impl FileSource {
+    /// A file source reading `config.path`.
+    pub fn new(config: FileSourceConfig) -> Self {
+        let partition: Arc<str> = format!("file:{}", config.path).into();
+        Self {
+            config,
+            partition,
+            stop: Arc::default(),
+            done_bytes: Arc::default(),
+            total_bytes: Arc::default(),
+            rx: None,
+        }
+    }
+}
+
+#[async_trait]
+impl Source for FileSource {
+    async fn start(
+        &mut self,
+        checkpoint: &Checkpoint,
+        mode: ReadMode,
+        _durable: watch::Receiver<Checkpoint>,
+    ) -> Result<(), SourceError> {
+        let path = PathBuf::from(&self.config.path);
+        let mut file = File::open(&path).map_err(|e| SourceError::Io {
+            message: format!("cannot open change log `{}`: {e}", path.display()),
+            source: Some(e),
+        })?;
+        let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+        let start = checkpoint.get(&*self.partition).map_or(0, |o| o.0);
+        if start > len {
+            return Err(SourceError::Inconsistent(format!(
+                "change log `{}` has {len} bytes but the checkpoint is at byte {start}: the file was \
+                 replaced or truncated; delete the pipeline's state directory to start over",
+                path.display()
+            )));
+        }
+        file.seek(SeekFrom::Start(start)).map_err(|e| SourceError::Io { message: "seek failed".into(), source: Some(e) })?;
+        self.done_bytes.store(start, Ordering::Relaxed);
+        self.total_bytes.store(len, Ordering::Relaxed);
+
+        let threads = match self.config.decode_threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        let (tx, rx) = mpsc::channel(CHANNEL_CHUNKS);
+        let reader = Reader {
+            file,
+            path,
+            offset: start,
+            partition: self.partition.clone(),
+            decoders: (0..threads).map(|_| DebeziumDecoder::new()).collect(),
+            poll: Duration::from_millis(self.config.poll_interval_ms),
+            mode,
+            stop: self.stop.clone(),
+            done_bytes: self.done_bytes.clone(),
+            total_bytes: self.total_bytes.clone(),
+        };
+        std::thread::Builder::new()
+            .name("file-source".into())
+            .spawn(move || reader.run(tx))
+            .map_err(|e| SourceError::Io { message: "cannot start the reader thread".into(), source: Some(e) })?;
+        self.rx = Some(rx);
+        Ok(())
+    }
+
+    async fn next_chunk(&mut self) -> Result<Option<Vec<SourceItem>>, SourceError> {
+        let Some(rx) = self.rx.as_mut() else { return Ok(None) };
+        match rx.recv().await {
+            Some(Ok(items)) => Ok(Some(items)),
+            Some(Err(e)) => Err(e),
+            None => Ok(None),
+        }
+    }
+
+    fn stop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    fn progress(&self) -> Option<(u64, u64)> {
+        Some((self.done_bytes.load(Ordering::Relaxed), self.total_bytes.load(Ordering::Relaxed)))
+    }
+}
+
+/// The reader thread's state.
+struct Reader {
+    file: File,
+    path: PathBuf,
+    /// Byte offset of the first byte not yet handed out.
+    offset: u64,
+    partition: Arc<str>,
+    decoders: Vec<DebeziumDecoder>,
+    poll: Duration,
+    mode: ReadMode,
+    stop: Arc<AtomicBool>,
+    done_bytes: Arc<AtomicU64>,
+    total_bytes: Arc<AtomicU64>,
+}
+
+type Sender = mpsc::Sender<Result<Vec<SourceItem>, SourceError>>;
+
+impl Reader {
+    fn run(mut self, tx: Sender) {
+        if let Err(e) = self.read_loop(&tx) {
+            let _ = tx.blocking_send(Err(e));
+        }
+    }
+
+    fn read_loop(&mut self, tx: &Sender) -> Result<(), SourceError> {
+        let mut pending = BytesMut::with_capacity(CHUNK_BYTES * 2);
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            let before = pending.len();
+            pending.resize(before + CHUNK_BYTES, 0);
+            let n = self.file.read(&mut pending[before..]).map_err(|e| SourceError::Io {
+                message: format!("cannot read `{}`: {e}", self.path.display()),
+                source: Some(e),
+            })?;
+            pending.truncate(before + n);
+            if n == 0 {
+                let len = self.file.metadata().map(|m| m.len()).unwrap_or(0);
+                self.total_bytes.store(len, Ordering::Relaxed);
+                if len < self.offset + pending.len() as u64 {
+                    return Err(SourceError::Inconsistent(format!(
+                        "change log `{}` shrank to {len} bytes below the read position {}: it was truncated or replaced",
+                        self.path.display(),
+                        self.offset
+                    )));
+                }
+                match self.mode {
+                    ReadMode::UntilCaughtUp => {
+                        // The last line may lack its newline: it is complete now or never.
+                        if !pending.is_empty() {
+                            let tail = pending.split().freeze();
+                            self.emit(tail, tx)?;
+                        }
+                        return Ok(());
+                    }
+                    ReadMode::Follow => {
+                        std::thread::sleep(self.poll);
+                        continue;
+                    }
+                }
+            }
+            // Hand out every complete line; keep the partial last line for the next read.
+            if let Some(last_nl) = pending.iter().rposition(|&b| b == b'\n') {
+                let complete = pending.split_to(last_nl + 1).freeze();
+                self.emit(complete, tx)?;
+            }
+        }
+    }
+
+    /// Decodes the lines of `chunk` (which ends at a line boundary or at end of input) and sends them.
+    fn emit(&mut self, chunk: Bytes, tx: &Sender) -> Result<(), SourceError> {
+        let base = self.offset;
+        let mut lines = Vec::with_capacity(chunk.len() / 256 + 1);
+        let mut start = 0;
+        while start < chunk.len() {
+            let end = memchr(&chunk[start..]).map_or(chunk.len(), |i| start + i + 1);
+            lines.push((start, end));
+            start = end;
+        }
+        let partition = &self.partition;
+        let decode = |decoder: &mut DebeziumDecoder, lines: &[(usize, usize)]| -> Vec<SourceItem> {
+            let mut out = Vec::with_capacity(lines.len());
+            for &(s, e) in lines {
+                let raw = chunk.slice(s..e);
+                let text = trim_line(&raw);
+                if text.iter().all(u8::is_ascii_whitespace) {
+                    continue;
+                }
+                let position = Position { partition: partition.clone(), offset: Offset(base + e as u64, 0) };
+                let record = decoder.decode(text, position);
+                out.push(SourceItem { record, raw: raw.slice_ref(text) });
+            }
+            out
+        };
+        let items = if self.decoders.len() == 1 || lines.len() < PARALLEL_MIN_LINES {
+            decode(&mut self.decoders[0], &lines)
+        } else {
+            let per = lines.len().div_ceil(self.decoders.len());
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = lines
+                    .chunks(per)
+                    .zip(self.decoders.iter_mut())
+                    .map(|(part, decoder)| scope.spawn(move || decode(decoder, part)))
+                    .collect();
+                handles.into_iter().flat_map(|h| h.join().expect("decoder thread panicked")).collect()
+            })
+        };
+        self.offset = base + chunk.len() as u64;
+        self.done_bytes.store(self.offset, Ordering::Relaxed);
+        if !items.is_empty() && tx.blocking_send(Ok(items)).is_err() {
+            // The runtime went away: stop reading.
+            self.stop.store(true, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+}
+
+fn memchr(haystack: &[u8]) -> Option<usize> {
+    haystack.iter().position(|&b| b == b'\n')
+}
+
+/// The line without its trailing `\n` / `\r\n`.
+fn trim_line(raw: &[u8]) -> &[u8] {
+    let mut end = raw.len();
+    while end > 0 && (raw[end - 1] == b'\n' || raw[end - 1] == b'\r') {
+        end -= 1;
+    }
+    &raw[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use refract_schemas::Record;
+
+    use super::*;
+
+    fn source(path: &std::path::Path) -> FileSource {
+        FileSource::new(FileSourceConfig { path: path.display().to_string(), poll_interval_ms: 10, decode_threads: 2 })
+    }
+
+    async fn read_all(src: &mut FileSource, checkpoint: &Checkpoint) -> Vec<SourceItem> {
+        let (_tx, rx) = watch::channel(Checkpoint::new());
+        src.start(checkpoint, ReadMode::UntilCaughtUp, rx).await.unwrap();
+        let mut all = Vec::new();
+        while let Some(chunk) = src.next_chunk().await.unwrap() {
+            all.extend(chunk);
+        }
+        all
+    }
+
+    fn line(id: usize) -> String {
+        format!(r#"{{"after":{{"id":{id}}},"op":"c","source":{{"table":"t"}}}}"#)
+    }
+
+    #[tokio::test]
+    async fn reads_in_order_and_resumes_after_the_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log.jsonl");
+        let mut f = File::create(&path).unwrap();
+        for i in 0..5000 {
+            writeln!(f, "{}", line(i)).unwrap();
+            if i % 1000 == 0 {
+                writeln!(f).unwrap(); // blank lines are skipped
+            }
+        }
+        write!(f, "{}", line(5000)).unwrap(); // no trailing newline
+        drop(f);
+
+        let items = read_all(&mut source(&path), &Checkpoint::new()).await;
+        assert_eq!(items.len(), 5001);
+        let ids: Vec<i64> = items
+            .iter()
+            .map(|it| match it.record.as_ref().unwrap() {
+                Record::Change(e) => e.after.as_ref().unwrap()["id"].as_i64().unwrap(),
+                r => panic!("{r:?}"),
+            })
+            .collect();
+        assert!(ids.iter().enumerate().all(|(i, id)| i as i64 == *id), "order kept");
+        let file_len = std::fs::metadata(&path).unwrap().len();
+        assert_eq!(items.last().unwrap().record.as_ref().unwrap().position().offset, Offset(file_len, 0));
+
+        // Resume after item 2999: exactly the rest comes back.
+        let cut = items[2999].record.as_ref().unwrap().position().clone();
+        let checkpoint = Checkpoint::from([(cut.partition.to_string(), cut.offset)]);
+        let rest = read_all(&mut source(&path), &checkpoint).await;
+        assert_eq!(rest.len(), 2001);
+        assert_eq!(rest[0].raw, line(3000).as_bytes());
+    }
+
+    #[tokio::test]
+    async fn a_shorter_file_than_the_checkpoint_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log.jsonl");
+        std::fs::write(&path, format!("{}\n", line(1))).unwrap();
+        let checkpoint = Checkpoint::from([(format!("file:{}", path.display()), Offset(10_000, 0))]);
+        let (_tx, rx) = watch::channel(Checkpoint::new());
+        let err = source(&path).start(&checkpoint, ReadMode::UntilCaughtUp, rx).await.unwrap_err();
+        assert!(err.to_string().contains("replaced or truncated"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn follow_mode_sees_appended_lines_and_waits_for_partial_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log.jsonl");
+        std::fs::write(&path, format!("{}\n", line(1))).unwrap();
+        let mut src = source(&path);
+        let (_tx, rx) = watch::channel(Checkpoint::new());
+        src.start(&Checkpoint::new(), ReadMode::Follow, rx).await.unwrap();
+        assert_eq!(src.next_chunk().await.unwrap().unwrap().len(), 1);
+        let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+        let second = line(2);
+        let (head, tail) = second.split_at(10);
+        write!(f, "{head}").unwrap();
+        f.flush().unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        writeln!(f, "{tail}").unwrap();
+        let chunk = src.next_chunk().await.unwrap().unwrap();
+        assert_eq!(chunk.len(), 1);
+        assert!(chunk[0].record.is_ok(), "a line written in two parts is read whole");
+        src.stop();
+        assert!(src.next_chunk().await.unwrap().is_none());
+    }
+}

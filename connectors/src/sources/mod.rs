@@ -1,0 +1,3 @@
+//! Sources: where change records come from. One file per kind; see [`crate::registry`].
+
+pub mod file;

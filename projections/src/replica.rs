@@ -1,0 +1,216 @@
+//! `kind = "replica"`: the current state of each row, one document per primary key.
+//!
+//! Creates, updates and snapshot reads upsert the after image; deletes delete; truncates empty the
+//! collection. An update that changes the key (when the before image carries it) deletes the old
+//! document and upserts the new one. The key is the record's own key when the source provides one
+//! (a Kafka key), else the configured key columns of the table.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use refract_schemas::config::ReplicaProjectionConfig;
+use refract_schemas::{ChangeEvent, Op, Row, TableId};
+use serde_json::Value;
+
+use crate::{Projection, ProjectionError, WriteOp};
+
+/// The replica projection.
+pub struct ReplicaProjection {
+    config: ReplicaProjectionConfig,
+    /// Collection name per table, rendered once.
+    collections: HashMap<TableId, Arc<str>>,
+}
+
+impl ReplicaProjection {
+    /// Builds the projection from its configuration.
+    pub fn new(config: ReplicaProjectionConfig) -> Self {
+        Self { config, collections: HashMap::new() }
+    }
+
+    fn key_columns(&self, table: &TableId) -> &[String] {
+        self.config
+            .key_columns
+            .iter()
+            .find(|(pattern, _)| table.matches(pattern))
+            .map_or(&self.config.default_key, |(_, cols)| cols)
+    }
+
+    fn collection(&mut self, table: &TableId) -> Arc<str> {
+        if let Some(c) = self.collections.get(table) {
+            return c.clone();
+        }
+        let rendered: Arc<str> =
+            self.config.collection.replace("{table}", &table.name).replace("{schema}", &table.schema).into();
+        self.collections.insert(table.clone(), rendered.clone());
+        rendered
+    }
+
+    /// The document key of `row`: the record key if any, else the key columns.
+    fn key(&self, event: &ChangeEvent, row: &Row) -> Result<String, ProjectionError> {
+        if let Some(key) = event.key.as_deref() {
+            if !key.is_empty() {
+                return Ok(render_key(key.values()));
+            }
+        }
+        let columns = self.key_columns(&event.table);
+        let mut values = Vec::with_capacity(columns.len());
+        for column in columns {
+            match row.get(column.as_str()) {
+                Some(v) if !v.is_null() => values.push(v),
+                _ => return Err(ProjectionError::MissingKey { table: event.table.to_string(), column: column.clone() }),
+            }
+        }
+        Ok(render_key(values.into_iter()))
+    }
+}
+
+/// Renders key values as one string: each value as text (strings unquoted), joined by `,`, with
+/// `%` and `,` percent-escaped in composite keys so distinct keys never collide.
+pub fn render_key<'a>(values: impl ExactSizeIterator<Item = &'a Value>) -> String {
+    let composite = values.len() > 1;
+    let mut out = String::new();
+    for (i, v) in values.enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        let text = match v {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        if composite {
+            out.push_str(&text.replace('%', "%25").replace(',', "%2C"));
+        } else {
+            out.push_str(&text);
+        }
+    }
+    out
+}
+
+impl Projection for ReplicaProjection {
+    fn reads(&self, table: &TableId) -> bool {
+        self.config.tables.is_empty() || self.config.tables.iter().any(|t| table.matches(t))
+    }
+
+    fn project(&mut self, event: &ChangeEvent, _now_ms: i64, out: &mut Vec<WriteOp>) -> Result<(), ProjectionError> {
+        let collection = self.collection(&event.table);
+        let position = event.position.clone();
+        match event.op {
+            Op::Create | Op::Read | Op::Update => {
+                let after = event.after.as_ref().ok_or_else(|| ProjectionError::Invalid("no after image".into()))?;
+                let key = self.key(event, after)?;
+                if event.op == Op::Update && event.key.is_none() {
+                    if let Some(before) = event.before.as_deref() {
+                        // A before image without the key columns (replica identity DEFAULT
+                        // sends only changed keys) cannot have moved the key.
+                        if let Ok(old) = self.key(event, before) {
+                            if old != key {
+                                out.push(WriteOp::Delete { collection: collection.clone(), key: old, position: position.clone() });
+                            }
+                        }
+                    }
+                }
+                out.push(WriteOp::Upsert { collection, key, doc: after.clone(), position });
+            }
+            Op::Delete => {
+                let before = event.before.as_deref().ok_or_else(|| ProjectionError::Invalid("no before image".into()))?;
+                let key = self.key(event, before)?;
+                out.push(WriteOp::Delete { collection, key, position });
+            }
+            Op::Truncate => out.push(WriteOp::Truncate { collection, position }),
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use refract_schemas::debezium::DebeziumDecoder;
+    use refract_schemas::{Offset, Position, Record};
+    use serde_json::json;
+
+    use super::*;
+
+    fn projection() -> ReplicaProjection {
+        ReplicaProjection::new(ReplicaProjectionConfig {
+            tables: vec![],
+            key_columns: BTreeMap::from([("book_authors".to_string(), vec!["book_id".to_string(), "author_id".to_string()])]),
+            default_key: vec!["id".into()],
+            collection: "{schema}_{table}".into(),
+            sinks: vec!["s".into()],
+        })
+    }
+
+    fn event(line: serde_json::Value) -> ChangeEvent {
+        let pos = Position { partition: "p".into(), offset: Offset(1, 0) };
+        match DebeziumDecoder::new().decode(line.to_string().as_bytes(), pos).unwrap() {
+            Record::Change(e) => e,
+            r => panic!("{r:?}"),
+        }
+    }
+
+    /// Renders ops compactly: `U coll/key`, `D coll/key`, `T coll`.
+    fn ops(p: &mut ReplicaProjection, line: serde_json::Value) -> Result<Vec<String>, ProjectionError> {
+        let mut out = Vec::new();
+        p.project(&event(line), 0, &mut out)?;
+        Ok(out
+            .iter()
+            .map(|op| match op {
+                WriteOp::Upsert { collection, key, .. } => format!("U {collection}/{key}"),
+                WriteOp::Delete { collection, key, .. } => format!("D {collection}/{key}"),
+                WriteOp::Truncate { collection, .. } => format!("T {collection}"),
+            })
+            .collect())
+    }
+
+    #[test]
+    fn table() {
+        let src = json!({"schema": "public", "table": "authors"});
+        let link = json!({"schema": "public", "table": "book_authors"});
+        let cases: Vec<(&str, serde_json::Value, Result<Vec<&str>, &str>)> = vec![
+            ("create", json!({"after": {"id": "a1"}, "op": "c", "source": src}), Ok(vec!["U public_authors/a1"])),
+            ("snapshot", json!({"after": {"id": 7}, "op": "r", "source": src}), Ok(vec!["U public_authors/7"])),
+            ("update", json!({"before": {"id": "a1"}, "after": {"id": "a1"}, "op": "u", "source": src}), Ok(vec!["U public_authors/a1"])),
+            (
+                "key change",
+                json!({"before": {"id": "a1"}, "after": {"id": "a2"}, "op": "u", "source": src}),
+                Ok(vec!["D public_authors/a1", "U public_authors/a2"]),
+            ),
+            ("delete", json!({"before": {"id": "a1"}, "after": null, "op": "d", "source": src}), Ok(vec!["D public_authors/a1"])),
+            ("truncate", json!({"op": "t", "source": src}), Ok(vec!["T public_authors"])),
+            (
+                "composite key escaped",
+                json!({"after": {"book_id": "b,1", "author_id": "a%1"}, "op": "c", "source": link}),
+                Ok(vec!["U public_book_authors/b%2C1,a%251"]),
+            ),
+            (
+                "record key wins",
+                json!({"key": {"isbn": "x"}, "value": {"after": {"id": "a1"}, "op": "c", "source": src}}),
+                Ok(vec!["U public_authors/x"]),
+            ),
+            ("missing key", json!({"after": {"name": "n"}, "op": "c", "source": src}), Err("column `id` is missing")),
+            ("null key", json!({"after": {"id": null}, "op": "c", "source": src}), Err("column `id` is missing")),
+            ("missing composite part", json!({"after": {"book_id": "b1"}, "op": "c", "source": link}), Err("column `author_id`")),
+        ];
+        let mut p = projection();
+        for (name, line, want) in cases {
+            let got = ops(&mut p, line);
+            match (got, want) {
+                (Ok(got), Ok(want)) => assert_eq!(got, want, "{name}"),
+                (Err(e), Err(words)) => assert!(e.to_string().contains(words), "{name}: {e}"),
+                (got, want) => panic!("{name}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn table_filter() {
+        let mut config = projection().config;
+        config.tables = vec!["public.books".into()];
+        let p = ReplicaProjection::new(config);
+        assert!(p.reads(&TableId::new("public", "books")));
+        assert!(!p.reads(&TableId::new("public", "authors")));
+        assert!(!p.reads(&TableId::new("other", "books")));
+    }
+}
