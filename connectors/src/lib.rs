@@ -25,7 +25,7 @@ pub struct SinkBatch {
 }
 
 /// What a sink did with a batch.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct WriteReport {
     /// Documents written or replaced.
     pub upserted: u64,

@@ -87,3 +87,12 @@ pub trait Projection: Send {
     /// runtime handed in (milliseconds since the epoch), for time-based projections.
     fn project(&mut self, event: &ChangeEvent, now_ms: i64, out: &mut Vec<WriteOp>) -> Result<(), ProjectionError>;
 }
+
+/// The one place that turns projection configuration into projections: every kind is in this
+/// `match`.
+pub fn build(config: &refract_schemas::config::ProjectionConfig) -> Box<dyn Projection> {
+    use refract_schemas::config::ProjectionConfig;
+    match config {
+        ProjectionConfig::Replica(c) => Box::new(replica::ReplicaProjection::new(c.clone())),
+    }
+}

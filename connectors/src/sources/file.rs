@@ -94,7 +94,7 @@ impl Source for FileSource {
             partition: self.partition.clone(),
             decoders: (0..threads).map(|_| DebeziumDecoder::new()).collect(),
             poll: Duration::from_millis(self.config.poll_interval_ms),
-            mode,
+            mode: if self.config.follow { mode } else { ReadMode::UntilCaughtUp },
             stop: self.stop.clone(),
             done_bytes: self.done_bytes.clone(),
             total_bytes: self.total_bytes.clone(),
@@ -265,7 +265,7 @@ mod tests {
     use super::*;
 
     fn source(path: &std::path::Path) -> FileSource {
-        FileSource::new(FileSourceConfig { path: path.display().to_string(), poll_interval_ms: 10, decode_threads: 2 })
+        FileSource::new(FileSourceConfig { path: path.display().to_string(), follow: true, poll_interval_ms: 10, decode_threads: 2 })
     }
 
     async fn read_all(src: &mut FileSource, checkpoint: &Checkpoint) -> Vec<SourceItem> {

@@ -159,14 +159,22 @@ pub enum SourceConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct FileSourceConfig {
-    /// Path of the change log. The daemon follows it as it grows; `--until-caught-up` stops at its end.
+    /// Path of the change log.
     pub path: String,
+    /// Keep following the file as it grows (daemon). `false` stops at its end, like
+    /// `--until-caught-up` (the demo does this).
+    #[serde(default = "default_follow")]
+    pub follow: bool,
     /// How often to look for new lines at end of file, in milliseconds (10 to 60,000).
     #[serde(default = "default_poll_ms")]
     pub poll_interval_ms: u64,
     /// Threads decoding lines in parallel (1 to 64); 0 means one per available core.
     #[serde(default)]
     pub decode_threads: usize,
+}
+
+fn default_follow() -> bool {
+    true
 }
 
 fn default_poll_ms() -> u64 {

@@ -1,0 +1,161 @@
+//! Delivery tasks: one per sink (and one for the dead-letter store). Each applies its batches in
+//! order, retries retryable failures with exponential backoff and jitter while the checkpoint
+//! waits, and acknowledges each batch once it is durable.
+
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use refract_connectors::dead_letter::{DeadLetter, DeadLetterStore};
+use refract_connectors::{Sink, SinkBatch, SinkError, WriteReport};
+use tokio::sync::{mpsc, watch};
+
+/// First retry delay: long enough not to hammer a target that just failed.
+const RETRY_MIN_DELAY: Duration = Duration::from_millis(100);
+/// Retry delay ceiling: a target back from an outage is noticed within this time.
+const RETRY_MAX_DELAY: Duration = Duration::from_secs(10);
+
+/// Work for a delivery task.
+pub(crate) enum Job {
+    /// Write operations for a sink.
+    Ops(SinkBatch),
+    /// Bad input for the dead-letter store.
+    Letters { seq: u64, letters: Vec<DeadLetter> },
+}
+
+impl Job {
+    fn seq(&self) -> u64 {
+        match self {
+            Job::Ops(b) => b.seq,
+            Job::Letters { seq, .. } => *seq,
+        }
+    }
+}
+
+/// A delivery task's report to the runtime.
+pub(crate) enum Ack {
+    /// Batch `seq` is durable in target `target`.
+    Done { target: usize, seq: u64, report: WriteReport },
+    /// The target failed permanently, or gave up retrying because of shutdown.
+    Failed { error: SinkError, shutdown: bool },
+}
+
+/// Where a delivery task writes.
+pub(crate) enum Target {
+    /// A configured sink.
+    Sink(Box<dyn Sink>),
+    /// The dead-letter store.
+    DeadLetters(DeadLetterStore),
+}
+
+impl Target {
+    fn name(&self) -> String {
+        match self {
+            Target::Sink(s) => s.name().to_owned(),
+            Target::DeadLetters(_) => "dead_letter".to_owned(),
+        }
+    }
+
+    async fn open(&mut self) -> Result<(), SinkError> {
+        match self {
+            Target::Sink(s) => s.open().await,
+            Target::DeadLetters(_) => Ok(()),
+        }
+    }
+
+    async fn deliver(&mut self, job: &Job) -> Result<WriteReport, SinkError> {
+        match (self, job) {
+            (Target::Sink(s), Job::Ops(batch)) => s.write(batch).await,
+            (Target::DeadLetters(store), Job::Letters { letters, .. }) => {
+                store.write(letters, crate::runtime::now_ms()).await?;
+                Ok(WriteReport::default())
+            }
+            _ => unreachable!("jobs are routed to their kind of target"),
+        }
+    }
+}
+
+/// What a delivery task attempts.
+#[derive(Clone, Copy)]
+enum Attempt<'a> {
+    Open,
+    Deliver(&'a Job),
+}
+
+/// Runs `attempt` until it succeeds, fails permanently, or shutdown is requested while waiting.
+async fn retrying(
+    target: &mut Target,
+    attempt: Attempt<'_>,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Result<WriteReport, (SinkError, bool)> {
+    let name = target.name();
+    let what = match attempt {
+        Attempt::Open => "open",
+        Attempt::Deliver(_) => "write",
+    };
+    let mut backoff = ExponentialBuilder::default()
+        .with_min_delay(RETRY_MIN_DELAY)
+        .with_max_delay(RETRY_MAX_DELAY)
+        .with_jitter()
+        .without_max_times()
+        .build();
+    let mut failures = 0u64;
+    loop {
+        let result = match attempt {
+            Attempt::Open => target.open().await.map(|()| WriteReport::default()),
+            Attempt::Deliver(job) => target.deliver(job).await,
+        };
+        match result {
+            Ok(v) => {
+                if failures > 0 {
+                    tracing::info!(sink = %name, failures, "{what} succeeded after retrying");
+                }
+                return Ok(v);
+            }
+            Err(e) if e.is_retryable() => {
+                failures += 1;
+                let delay = backoff.next().unwrap_or(RETRY_MAX_DELAY);
+                tracing::warn!(sink = %name, attempt = failures, retry_in_ms = delay.as_millis() as u64, error = %e, "{what} failed, retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = shutdown.wait_for(|stop| *stop) => return Err((e, true)),
+                }
+            }
+            Err(e) => return Err((e, false)),
+        }
+    }
+}
+
+/// The delivery loop of one target.
+pub(crate) async fn run(
+    index: usize,
+    mut target: Target,
+    mut jobs: mpsc::Receiver<Job>,
+    acks: mpsc::UnboundedSender<Ack>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let name = target.name();
+    let fail = |error, shutdown| Ack::Failed { error, shutdown };
+    if let Err((error, stop)) = retrying(&mut target, Attempt::Open, &mut shutdown).await {
+        let _ = acks.send(fail(error, stop));
+        return;
+    }
+    while let Some(job) = jobs.recv().await {
+        let seq = job.seq();
+        match retrying(&mut target, Attempt::Deliver(&job), &mut shutdown).await {
+            Ok(report) => {
+                if acks.send(Ack::Done { target: index, seq, report }).is_err() {
+                    return;
+                }
+            }
+            Err((error, stop)) => {
+                let _ = acks.send(fail(error, stop));
+                return;
+            }
+        }
+    }
+    if let Target::Sink(sink) = &mut target {
+        if let Err(e) = sink.close().await {
+            tracing::warn!(sink = %name, error = %e, "closing the sink failed");
+        }
+    }
+}

@@ -1,0 +1,506 @@
+//! The runtime: wires a source, projections and sinks, batches, tracks what is durable, and owns
+//! the checkpoint.
+//!
+//! ```text
+//! source ──chunks──▶ processor ──batch N──▶ sink task 1 ──ack──┐
+//!  (bounded)         (decode errors,  ├──▶ sink task 2 ──ack──┤
+//!                     projections)    └──▶ dead letters ─ack──┤
+//!                         ▲                                    │
+//!                         └────────── acks (in order) ◀────────┘
+//!                                       │ checkpoint = end of the newest batch that every
+//!                                       ▼ target acknowledged, and of all batches before it
+//!                                 checkpointer (redb, fsync) ──▶ source (durable positions)
+//! ```
+//!
+//! Backpressure: every queue is bounded (source chunks, `queue_depth` batches per sink), so a slow
+//! sink pauses the source. Order per key: one processor, and each sink applies its batches in
+//! order. A batch is not cut inside a source transaction unless it grows past
+//! [`TRANSACTION_BATCH_FACTOR`] times the limits (memory stays bounded). Shutdown (SIGINT/SIGTERM)
+//! stops the source, drains, flushes, checkpoints and returns normally.
+
+mod delivery;
+mod summary;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use refract_connectors::dead_letter::{DeadLetter, DeadLetterStore, Stage};
+use refract_connectors::{ReadMode, SinkBatch, SinkError, SourceError, SourceItem, registry};
+use refract_projections::{Projection, WriteOp};
+use refract_schemas::config::{LoadedPipeline, OnError, PipelineFile, SinkConfig, mask_url};
+use refract_schemas::event::TxStatus;
+use refract_schemas::{Checkpoint, Offset, Position, Record};
+use tokio::sync::{mpsc, watch};
+
+use crate::checkpoint::{CheckpointError, CheckpointStore};
+use delivery::{Ack, Job, Target};
+pub use summary::RunSummary;
+
+/// How far past the batch limits a batch may grow to avoid splitting a source transaction.
+pub const TRANSACTION_BATCH_FACTOR: usize = 4;
+/// How often a long run logs its progress.
+const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Why a run ended with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The source failed.
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    /// A sink failed permanently.
+    #[error(transparent)]
+    Sink(SinkError),
+    /// The checkpoint store failed.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// Bad input with `on_error = "stop"`: everything before it is durable and checkpointed.
+    #[error("bad input at {position} ({stage:?}): {reason}; everything before it was written and checkpointed. \
+             Fix the input, or set `on_error = \"dead_letter\"` to record it and go on")]
+    BadInput {
+        /// Where the input is.
+        position: Position,
+        /// Which stage rejected it.
+        stage: Stage,
+        /// Why.
+        reason: String,
+    },
+    /// The state directory could not be prepared.
+    #[error("state directory {path}: {source}")]
+    State {
+        /// The directory.
+        path: PathBuf,
+        /// What failed.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Options of one run.
+#[derive(Debug, Clone, Copy)]
+pub struct RunOptions {
+    /// Follow the source, or stop once caught up.
+    pub mode: ReadMode,
+}
+
+/// The wall clock in milliseconds since the epoch (handed to projections, stamped on dead letters).
+pub(crate) fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+/// The directory holding a pipeline's checkpoint and state.
+pub fn state_path(config: &PipelineFile) -> PathBuf {
+    PathBuf::from(&config.pipeline.state_dir).join(&config.pipeline.name)
+}
+
+/// Where the pipeline's dead letters go when the file does not say.
+pub fn default_dead_letter_path(config: &PipelineFile) -> PathBuf {
+    state_path(config).join("dead-letters.ndjson")
+}
+
+/// The batch being assembled.
+struct Batch {
+    ops: Vec<Vec<WriteOp>>,
+    letters: Vec<DeadLetter>,
+    end: BTreeMap<Arc<str>, Offset>,
+    events: usize,
+    bytes: usize,
+    started: Option<Instant>,
+}
+
+impl Batch {
+    fn new(sinks: usize) -> Self {
+        Self { ops: vec![Vec::new(); sinks], letters: Vec::new(), end: BTreeMap::new(), events: 0, bytes: 0, started: None }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.end.is_empty()
+    }
+}
+
+/// A dispatched batch waiting for its acknowledgements.
+struct InFlight {
+    seq: u64,
+    end: BTreeMap<Arc<str>, Offset>,
+    pending: usize,
+}
+
+/// One projection and the indexes of the sinks it writes to.
+struct Route {
+    name: String,
+    projection: Box<dyn Projection>,
+    sinks: Vec<usize>,
+}
+
+/// Runs a pipeline until the source ends (`--until-caught-up`), `shutdown` turns true, or an
+/// error stops it.
+pub async fn run(loaded: &LoadedPipeline, options: RunOptions, shutdown: watch::Receiver<bool>) -> Result<RunSummary, RunError> {
+    let config = &loaded.config;
+    let started = Instant::now();
+    let state = state_path(config);
+    std::fs::create_dir_all(&state).map_err(|source| RunError::State { path: state.clone(), source })?;
+    let store = CheckpointStore::open(&state.join("checkpoint.redb"))?;
+    let resumed = store.load()?;
+    if !resumed.is_empty() {
+        tracing::info!(checkpoint = ?resumed, "resuming after the checkpoint");
+    }
+
+    // Targets: the sinks in name order, then the dead-letter store.
+    let sink_names: Vec<String> = config.sinks.keys().cloned().collect();
+    let dead_letters = match &config.pipeline.dead_letter.url {
+        Some(url) => DeadLetterStore::open_url(url),
+        None => {
+            let path = config.pipeline.dead_letter.path.as_ref().map_or_else(|| default_dead_letter_path(config), PathBuf::from);
+            DeadLetterStore::open_file(path, &resumed)
+        }
+    }
+    .map_err(RunError::Sink)?;
+    let dead_letter_location = dead_letters.location();
+    let mut targets: Vec<Target> = config.sinks.iter().map(|(name, c)| Target::Sink(registry::build_sink(name, c))).collect();
+    targets.push(Target::DeadLetters(dead_letters));
+    let dead_letter_target = targets.len() - 1;
+
+    let routes: Vec<Route> = config
+        .projections
+        .iter()
+        .map(|(name, c)| Route {
+            name: name.clone(),
+            projection: refract_projections::build(c),
+            sinks: c.sinks().iter().map(|s| sink_names.iter().position(|n| n == s).expect("validated sink name")).collect(),
+        })
+        .collect();
+
+    let (ack_tx, ack_rx) = mpsc::unbounded_channel();
+    let mut job_txs = Vec::with_capacity(targets.len());
+    let mut tasks = Vec::with_capacity(targets.len());
+    for (index, target) in targets.into_iter().enumerate() {
+        let (tx, rx) = mpsc::channel(config.pipeline.queue_depth);
+        job_txs.push(tx);
+        tasks.push(tokio::spawn(delivery::run(index, target, rx, ack_tx.clone(), shutdown.clone())));
+    }
+    drop(ack_tx);
+
+    // The checkpointer commits the newest acknowledged checkpoint, coalescing bursts.
+    let (cp_tx, cp_rx) = watch::channel(resumed.clone());
+    let (durable_tx, durable_rx) = watch::channel(resumed.clone());
+    let checkpointer = tokio::spawn(checkpointer(store, cp_rx, durable_tx));
+
+    let mut source = registry::build_source(&config.source);
+    source.start(&resumed, options.mode, durable_rx).await?;
+
+    let mut processor = Processor {
+        on_error: config.pipeline.on_error,
+        max_events: config.pipeline.batch.max_events,
+        max_bytes: config.pipeline.batch.max_bytes as usize,
+        max_delay: Duration::from_millis(config.pipeline.batch.max_delay_ms),
+        routes,
+        batch: Batch::new(sink_names.len()),
+        job_txs,
+        dead_letter_target,
+        ack_rx,
+        inflight: VecDeque::new(),
+        next_seq: 0,
+        committed: resumed.clone(),
+        cp_tx,
+        in_transaction: false,
+        scratch: Vec::new(),
+        summary: RunSummary::new(sink_names, dead_letter_location, resumed),
+    };
+    for (name, sink) in &config.sinks {
+        let location = match sink {
+            SinkConfig::ObjectJson(o) => mask_url(&o.url),
+            SinkConfig::Null(_) => "discarded".to_owned(),
+        };
+        processor.summary.sink_locations.insert(name.clone(), location);
+    }
+    let outcome = processor.run(&mut *source, shutdown).await;
+    let Processor { mut summary, job_txs, cp_tx, .. } = processor;
+    drop(job_txs);
+    drop(cp_tx);
+    for task in tasks {
+        let _ = task.await;
+    }
+    let final_checkpoint = checkpointer.await.expect("checkpointer task")?;
+    summary.checkpoint = final_checkpoint;
+    summary.elapsed = started.elapsed();
+    match outcome {
+        Ok(stopped_by_signal) => {
+            summary.stopped_by_signal = stopped_by_signal;
+            Ok(summary)
+        }
+        Err(e) => {
+            tracing::error!(checkpoint = ?summary.checkpoint, "pipeline stopped: {e}");
+            Err(e)
+        }
+    }
+}
+
+/// Commits checkpoints as they arrive; returns the last one committed.
+async fn checkpointer(
+    store: CheckpointStore,
+    mut rx: watch::Receiver<Checkpoint>,
+    durable: watch::Sender<Checkpoint>,
+) -> Result<Checkpoint, CheckpointError> {
+    let store = Arc::new(store);
+    let mut last = rx.borrow().clone();
+    loop {
+        let closed = rx.changed().await.is_err();
+        let next = rx.borrow_and_update().clone();
+        if next != last {
+            let s = store.clone();
+            let cp = next.clone();
+            tokio::task::spawn_blocking(move || s.commit(&cp)).await.expect("checkpoint commit task")?;
+            tracing::debug!(checkpoint = ?next, "checkpoint committed");
+            last = next.clone();
+            let _ = durable.send(next);
+        }
+        if closed {
+            return Ok(last);
+        }
+    }
+}
+
+/// The processor: turns source items into batches and batches into acknowledged checkpoints.
+struct Processor {
+    on_error: OnError,
+    max_events: usize,
+    max_bytes: usize,
+    max_delay: Duration,
+    routes: Vec<Route>,
+    batch: Batch,
+    job_txs: Vec<mpsc::Sender<Job>>,
+    dead_letter_target: usize,
+    ack_rx: mpsc::UnboundedReceiver<Ack>,
+    inflight: VecDeque<InFlight>,
+    next_seq: u64,
+    committed: Checkpoint,
+    cp_tx: watch::Sender<Checkpoint>,
+    in_transaction: bool,
+    scratch: Vec<WriteOp>,
+    summary: RunSummary,
+}
+
+impl Processor {
+    /// Returns whether the run ended because of a shutdown request.
+    async fn run(&mut self, source: &mut dyn refract_connectors::Source, mut shutdown: watch::Receiver<bool>) -> Result<bool, RunError> {
+        let mut stopping = false;
+        let mut last_progress = Instant::now();
+        loop {
+            let deadline = self.batch.started.map(|s| tokio::time::Instant::from_std(s + self.max_delay));
+            tokio::select! {
+                biased;
+                ack = self.ack_rx.recv() => match ack {
+                    Some(ack) => self.on_ack(ack)?,
+                    None => unreachable!("the processor holds the job senders"),
+                },
+                _ = shutdown.wait_for(|s| *s), if !stopping => {
+                    tracing::info!("shutdown requested: draining and checkpointing");
+                    stopping = true;
+                    source.stop();
+                }
+                _ = sleep_until(deadline) => self.dispatch().await?,
+                chunk = source.next_chunk() => match chunk? {
+                    Some(items) => {
+                        let now = crate::runtime::now_ms();
+                        for item in items {
+                            if let Err(e) = self.process(item, now) {
+                                self.dispatch().await?;
+                                self.drain().await?;
+                                return Err(e);
+                            }
+                            if self.batch_full() {
+                                self.dispatch().await?;
+                            }
+                        }
+                    }
+                    None => break,
+                },
+            }
+            if last_progress.elapsed() >= PROGRESS_INTERVAL {
+                last_progress = Instant::now();
+                self.summary.log_progress(source.progress());
+            }
+        }
+        self.dispatch().await?;
+        self.drain().await?;
+        Ok(stopping)
+    }
+
+    fn batch_full(&self) -> bool {
+        let b = &self.batch;
+        let over = |factor: usize| b.events >= self.max_events * factor || b.bytes >= self.max_bytes * factor;
+        if self.in_transaction { over(TRANSACTION_BATCH_FACTOR) } else { over(1) }
+    }
+
+    /// Handles one source item: projects it, or records it as bad input.
+    fn process(&mut self, item: SourceItem, now: i64) -> Result<(), RunError> {
+        let SourceItem { record, raw } = item;
+        self.summary.records += 1;
+        if self.batch.started.is_none() {
+            self.batch.started = Some(Instant::now());
+        }
+        self.batch.events += 1;
+        self.batch.bytes += raw.len();
+        let position = match record {
+            Err(e) => {
+                self.reject(DeadLetter { position: e.position.clone(), stage: Stage::Decode, reason: e.reason, table: None, raw })?;
+                e.position
+            }
+            Ok(Record::Tombstone(p)) => {
+                self.summary.tombstones += 1;
+                p
+            }
+            Ok(Record::Transaction(t)) => {
+                self.summary.transactions += u64::from(t.status == TxStatus::End);
+                self.in_transaction = t.status == TxStatus::Begin;
+                t.position
+            }
+            Ok(Record::Change(event)) => {
+                self.summary.count_op(event.op);
+                let mut read = false;
+                let mut rejection = None;
+                for route in &mut self.routes {
+                    if !route.projection.reads(&event.table) {
+                        continue;
+                    }
+                    read = true;
+                    self.scratch.clear();
+                    match route.projection.project(&event, now, &mut self.scratch) {
+                        Ok(()) => {
+                            for (i, &sink) in route.sinks.iter().enumerate() {
+                                if i + 1 == route.sinks.len() {
+                                    self.batch.ops[sink].append(&mut self.scratch);
+                                } else {
+                                    self.batch.ops[sink].extend(self.scratch.iter().cloned());
+                                }
+                            }
+                        }
+                        Err(e) => rejection = Some((Stage::Projection, format!("projection `{}`: {e}", route.name))),
+                    }
+                }
+                if !read {
+                    rejection = Some((Stage::Routing, format!("no projection reads table `{}`", event.table)));
+                }
+                if let Some((stage, reason)) = rejection {
+                    let table = Some(event.table.to_string());
+                    self.reject(DeadLetter { position: event.position.clone(), stage, reason, table, raw })?;
+                }
+                event.position
+            }
+        };
+        self.batch.end.insert(position.partition, position.offset);
+        Ok(())
+    }
+
+    fn reject(&mut self, letter: DeadLetter) -> Result<(), RunError> {
+        match self.on_error {
+            OnError::DeadLetter => {
+                tracing::warn!(position = %letter.position, stage = ?letter.stage, reason = %letter.reason, "dead-lettering bad input");
+                self.summary.dead_letters += 1;
+                self.batch.letters.push(letter);
+                Ok(())
+            }
+            OnError::Stop => {
+                // The bad record itself is not part of the batch: its position is not checkpointed.
+                self.batch.events -= 1;
+                Err(RunError::BadInput { position: letter.position, stage: letter.stage, reason: letter.reason })
+            }
+        }
+    }
+
+    /// Sends the current batch to its targets.
+    async fn dispatch(&mut self) -> Result<(), RunError> {
+        if self.batch.is_empty() {
+            self.batch.started = None;
+            return Ok(());
+        }
+        let sinks = self.routes_sink_count();
+        let batch = std::mem::replace(&mut self.batch, Batch::new(sinks));
+        self.next_seq += 1;
+        let seq = self.next_seq;
+        let mut jobs: Vec<(usize, Job)> = Vec::new();
+        for (target, ops) in batch.ops.into_iter().enumerate() {
+            if !ops.is_empty() {
+                jobs.push((target, Job::Ops(SinkBatch { seq, ops })));
+            }
+        }
+        if !batch.letters.is_empty() {
+            jobs.push((self.dead_letter_target, Job::Letters { seq, letters: batch.letters }));
+        }
+        self.inflight.push_back(InFlight { seq, end: batch.end, pending: jobs.len() });
+        for (target, job) in jobs {
+            if self.job_txs[target].send(job).await.is_err() {
+                // The target's task ended: its failure is waiting in the ack channel.
+                return Err(self.first_failure().await);
+            }
+        }
+        self.complete_ready();
+        Ok(())
+    }
+
+    fn routes_sink_count(&self) -> usize {
+        self.job_txs.len() - 1
+    }
+
+    fn on_ack(&mut self, ack: Ack) -> Result<(), RunError> {
+        match ack {
+            Ack::Done { target, seq, report } => {
+                if target != self.dead_letter_target {
+                    self.summary.add_report(target, report);
+                }
+                let entry = self.inflight.iter_mut().find(|f| f.seq == seq).expect("ack for a dispatched batch");
+                entry.pending -= 1;
+                self.complete_ready();
+                Ok(())
+            }
+            Ack::Failed { error, shutdown: true, .. } => {
+                tracing::warn!(error = %error, "stopped while a sink was failing; undelivered changes will be replayed on restart");
+                Err(RunError::Sink(error))
+            }
+            Ack::Failed { error, .. } => Err(RunError::Sink(error)),
+        }
+    }
+
+    /// Advances the checkpoint past every leading batch that all its targets acknowledged.
+    fn complete_ready(&mut self) {
+        let mut advanced = false;
+        while self.inflight.front().is_some_and(|f| f.pending == 0) {
+            let done = self.inflight.pop_front().expect("front exists");
+            for (partition, offset) in done.end {
+                self.committed.insert(partition.to_string(), offset);
+            }
+            advanced = true;
+        }
+        if advanced {
+            let _ = self.cp_tx.send(self.committed.clone());
+        }
+    }
+
+    /// Waits until every dispatched batch is acknowledged.
+    async fn drain(&mut self) -> Result<(), RunError> {
+        while !self.inflight.is_empty() {
+            match self.ack_rx.recv().await {
+                Some(ack) => self.on_ack(ack)?,
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    async fn first_failure(&mut self) -> RunError {
+        while let Some(ack) = self.ack_rx.recv().await {
+            if let Err(e) = self.on_ack(ack) {
+                return e;
+            }
+        }
+        RunError::Sink(SinkError::Permanent { sink: "?".into(), message: "a sink task ended unexpectedly".into(), source: None })
+    }
+}
+
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
