@@ -17,42 +17,55 @@ use crate::{Projection, ProjectionError, WriteOp};
 /// The replica projection.
 pub struct ReplicaProjection {
     config: ReplicaProjectionConfig,
-    /// Collection name per table, rendered once.
-    collections: HashMap<TableId, Arc<str>>,
+    /// What the configuration says about each table seen, worked out once.
+    tables: HashMap<TableId, Arc<TableRule>>,
+    /// The last table seen: consecutive events of one table skip the hash lookup.
+    last: Option<(TableId, Arc<TableRule>)>,
+}
+
+/// The configuration as it applies to one table.
+struct TableRule {
+    collection: Arc<str>,
+    key_columns: Vec<String>,
 }
 
 impl ReplicaProjection {
     /// Builds the projection from its configuration.
     pub fn new(config: ReplicaProjectionConfig) -> Self {
-        Self { config, collections: HashMap::new() }
+        Self { config, tables: HashMap::new(), last: None }
     }
 
-    fn key_columns(&self, table: &TableId) -> &[String] {
-        self.config
-            .key_columns
-            .iter()
-            .find(|(pattern, _)| table.matches(pattern))
-            .map_or(&self.config.default_key, |(_, cols)| cols)
-    }
-
-    fn collection(&mut self, table: &TableId) -> Arc<str> {
-        if let Some(c) = self.collections.get(table) {
-            return c.clone();
+    fn rule(&mut self, table: &TableId) -> Arc<TableRule> {
+        if let Some((t, rule)) = &self.last {
+            if Arc::ptr_eq(&t.name, &table.name) && Arc::ptr_eq(&t.schema, &table.schema) || t == table {
+                return rule.clone();
+            }
         }
-        let rendered: Arc<str> =
-            self.config.collection.replace("{table}", &table.name).replace("{schema}", &table.schema).into();
-        self.collections.insert(table.clone(), rendered.clone());
-        rendered
+        let config = &self.config;
+        let rule = self
+            .tables
+            .entry(table.clone())
+            .or_insert_with(|| {
+                let key_columns = config
+                    .key_columns
+                    .iter()
+                    .find(|(pattern, _)| table.matches(pattern))
+                    .map_or(&config.default_key, |(_, cols)| cols)
+                    .clone();
+                let collection = config.collection.replace("{table}", &table.name).replace("{schema}", &table.schema).into();
+                Arc::new(TableRule { collection, key_columns })
+            })
+            .clone();
+        self.last = Some((table.clone(), rule.clone()));
+        rule
     }
 
     /// The document key of `row`: the record key if any, else the key columns.
-    fn key(&self, event: &ChangeEvent, row: &Row) -> Result<String, ProjectionError> {
-        if let Some(key) = event.key.as_deref() {
-            if !key.is_empty() {
-                return Ok(render_key(key.values()));
-            }
+    fn key(rule: &TableRule, event: &ChangeEvent, row: &Row) -> Result<String, ProjectionError> {
+        if let Some(key) = event.key.as_deref().filter(|k| !k.is_empty()) {
+            return Ok(render_key(key.values()));
         }
-        let columns = self.key_columns(&event.table);
+        let columns = &rule.key_columns;
         let mut values = Vec::with_capacity(columns.len());
         for column in columns {
             match row.get(column.as_str()) {
@@ -92,17 +105,18 @@ impl Projection for ReplicaProjection {
     }
 
     fn project(&mut self, event: &ChangeEvent, _now_ms: i64, out: &mut Vec<WriteOp>) -> Result<(), ProjectionError> {
-        let collection = self.collection(&event.table);
+        let rule = self.rule(&event.table);
+        let collection = rule.collection.clone();
         let position = event.position.clone();
         match event.op {
             Op::Create | Op::Read | Op::Update => {
                 let after = event.after.as_ref().ok_or_else(|| ProjectionError::Invalid("no after image".into()))?;
-                let key = self.key(event, after)?;
+                let key = Self::key(&rule, event, after)?;
                 if event.op == Op::Update && event.key.is_none() {
                     if let Some(before) = event.before.as_deref() {
                         // A before image without the key columns (replica identity DEFAULT
                         // sends only changed keys) cannot have moved the key.
-                        if let Ok(old) = self.key(event, before) {
+                        if let Ok(old) = Self::key(&rule, event, before) {
                             if old != key {
                                 out.push(WriteOp::Delete { collection: collection.clone(), key: old, position: position.clone() });
                             }
@@ -113,7 +127,7 @@ impl Projection for ReplicaProjection {
             }
             Op::Delete => {
                 let before = event.before.as_deref().ok_or_else(|| ProjectionError::Invalid("no before image".into()))?;
-                let key = self.key(event, before)?;
+                let key = Self::key(&rule, event, before)?;
                 out.push(WriteOp::Delete { collection, key, position });
             }
             Op::Truncate => out.push(WriteOp::Truncate { collection, position }),

@@ -128,9 +128,9 @@ impl fmt::Display for TableId {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SourceInfo {
     /// Connector name (`postgresql`, `mysql`, ...).
-    pub connector: Option<String>,
+    pub connector: Option<Arc<str>>,
     /// Database name.
-    pub db: Option<String>,
+    pub db: Option<Arc<str>>,
     /// Commit (or event) time in milliseconds since the epoch.
     pub ts_ms: Option<i64>,
     /// Source transaction id, when the source has one.

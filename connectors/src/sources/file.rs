@@ -92,7 +92,11 @@ impl Source for FileSource {
             path,
             offset: start,
             partition: self.partition.clone(),
-            decoders: (0..threads).map(|_| DebeziumDecoder::new()).collect(),
+            decoder: DebeziumDecoder::new(),
+            pool: (1..threads)
+                .map(|i| spawn_worker(self.partition.clone(), i))
+                .collect::<Result<_, _>>()
+                .map_err(|e| SourceError::Io { message: "cannot start decode threads".into(), source: Some(e) })?,
             poll: Duration::from_millis(self.config.poll_interval_ms),
             mode: if self.config.follow { mode } else { ReadMode::UntilCaughtUp },
             stop: self.stop.clone(),
@@ -132,7 +136,9 @@ struct Reader {
     /// Byte offset of the first byte not yet handed out.
     offset: u64,
     partition: Arc<str>,
-    decoders: Vec<DebeziumDecoder>,
+    decoder: DebeziumDecoder,
+    /// Job queues of the decode workers beside the reader thread.
+    pool: Vec<std::sync::mpsc::Sender<DecodeJob>>,
     poll: Duration,
     mode: ReadMode,
     stop: Arc<AtomicBool>,
@@ -188,7 +194,7 @@ impl Reader {
                 }
             }
             // Hand out every complete line; keep the partial last line for the next read.
-            if let Some(last_nl) = pending.iter().rposition(|&b| b == b'\n') {
+            if let Some(last_nl) = memchr::memrchr(b'\n', &pending) {
                 let complete = pending.split_to(last_nl + 1).freeze();
                 self.emit(complete, tx)?;
             }
@@ -205,33 +211,26 @@ impl Reader {
             lines.push((start, end));
             start = end;
         }
-        let partition = &self.partition;
-        let decode = |decoder: &mut DebeziumDecoder, lines: &[(usize, usize)]| -> Vec<SourceItem> {
-            let mut out = Vec::with_capacity(lines.len());
-            for &(s, e) in lines {
-                let raw = chunk.slice(s..e);
-                let text = trim_line(&raw);
-                if text.iter().all(u8::is_ascii_whitespace) {
-                    continue;
-                }
-                let position = Position { partition: partition.clone(), offset: Offset(base + e as u64, 0) };
-                let record = decoder.decode(text, position);
-                out.push(SourceItem { record, raw: raw.slice_ref(text) });
-            }
-            out
-        };
-        let items = if self.decoders.len() == 1 || lines.len() < PARALLEL_MIN_LINES {
-            decode(&mut self.decoders[0], &lines)
+        let lines = Arc::new(lines);
+        let workers = self.pool.len() + 1;
+        let items = if workers == 1 || lines.len() < PARALLEL_MIN_LINES {
+            decode_lines(&mut self.decoder, &self.partition, &chunk, base, &lines, 0..lines.len())
         } else {
-            let per = lines.len().div_ceil(self.decoders.len());
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = lines
-                    .chunks(per)
-                    .zip(self.decoders.iter_mut())
-                    .map(|(part, decoder)| scope.spawn(move || decode(decoder, part)))
-                    .collect();
-                handles.into_iter().flat_map(|h| h.join().expect("decoder thread panicked")).collect()
-            })
+            // Parts 1.. go to the pool, part 0 is decoded here; results are joined in order.
+            let per = lines.len().div_ceil(workers);
+            let mut replies = Vec::with_capacity(self.pool.len());
+            for (i, worker) in self.pool.iter().enumerate() {
+                let range = ((i + 1) * per).min(lines.len())..((i + 2) * per).min(lines.len());
+                let (reply_tx, reply_rx) = std::sync::mpsc::sync_channel(1);
+                let job = DecodeJob { chunk: chunk.clone(), base, lines: lines.clone(), range, reply: reply_tx };
+                worker.send(job).expect("decode workers live as long as the reader");
+                replies.push(reply_rx);
+            }
+            let mut items = decode_lines(&mut self.decoder, &self.partition, &chunk, base, &lines, 0..per.min(lines.len()));
+            for reply in replies {
+                items.extend(reply.recv().expect("a decode worker answers"));
+            }
+            items
         };
         self.offset = base + chunk.len() as u64;
         self.done_bytes.store(self.offset, Ordering::Relaxed);
@@ -243,8 +242,53 @@ impl Reader {
     }
 }
 
+/// A part of a chunk for a decode worker.
+struct DecodeJob {
+    chunk: Bytes,
+    base: u64,
+    lines: Arc<Vec<(usize, usize)>>,
+    range: std::ops::Range<usize>,
+    reply: std::sync::mpsc::SyncSender<Vec<SourceItem>>,
+}
+
+/// Starts a decode worker thread; it ends when its job sender is dropped.
+fn spawn_worker(partition: Arc<str>, index: usize) -> std::io::Result<std::sync::mpsc::Sender<DecodeJob>> {
+    let (tx, rx) = std::sync::mpsc::channel::<DecodeJob>();
+    std::thread::Builder::new().name(format!("file-decode-{index}")).spawn(move || {
+        let mut decoder = DebeziumDecoder::new();
+        for job in rx {
+            let items = decode_lines(&mut decoder, &partition, &job.chunk, job.base, &job.lines, job.range);
+            let _ = job.reply.send(items);
+        }
+    })?;
+    Ok(tx)
+}
+
+/// Decodes `lines[range]` of `chunk`; blank lines are skipped.
+fn decode_lines(
+    decoder: &mut DebeziumDecoder,
+    partition: &Arc<str>,
+    chunk: &Bytes,
+    base: u64,
+    lines: &[(usize, usize)],
+    range: std::ops::Range<usize>,
+) -> Vec<SourceItem> {
+    let mut out = Vec::with_capacity(range.len());
+    for &(s, e) in &lines[range] {
+        let raw = chunk.slice(s..e);
+        let text = trim_line(&raw);
+        if text.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let position = Position { partition: partition.clone(), offset: Offset(base + e as u64, 0) };
+        let record = decoder.decode(text, position);
+        out.push(SourceItem { record, raw: raw.slice_ref(text) });
+    }
+    out
+}
+
 fn memchr(haystack: &[u8]) -> Option<usize> {
-    haystack.iter().position(|&b| b == b'\n')
+    memchr::memchr(b'\n', haystack)
 }
 
 /// The line without its trailing `\n` / `\r\n`.

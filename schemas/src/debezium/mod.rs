@@ -13,6 +13,7 @@
 
 pub mod logical;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -45,6 +46,44 @@ pub struct DecodeError {
 #[derive(Default)]
 pub struct DebeziumDecoder {
     schemas: HashMap<Box<str>, Arc<EnvelopeSchema>>,
+    names: Interner,
+}
+
+/// Shares the strings every event of a table repeats (schema, table, connector, db), so an event
+/// costs no allocation for them.
+#[derive(Default)]
+struct Interner {
+    strings: HashMap<Box<str>, Arc<str>>,
+    tables: HashMap<(Arc<str>, Arc<str>), TableId>,
+}
+
+/// Distinct names kept by an interner before it starts over (a guard against unbounded growth
+/// from hostile input).
+const INTERNER_CAPACITY: usize = 4096;
+
+impl Interner {
+    fn string(&mut self, s: &str) -> Arc<str> {
+        if let Some(a) = self.strings.get(s) {
+            return a.clone();
+        }
+        if self.strings.len() >= INTERNER_CAPACITY {
+            self.strings.clear();
+            self.tables.clear();
+        }
+        let a: Arc<str> = s.into();
+        self.strings.insert(s.into(), a.clone());
+        a
+    }
+
+    fn table(&mut self, schema: &str, name: &str) -> TableId {
+        let key = (self.string(schema), self.string(name));
+        if let Some(t) = self.tables.get(&key) {
+            return t.clone();
+        }
+        let t = TableId { schema: key.0.clone(), name: key.1.clone() };
+        self.tables.insert(key, t.clone());
+        t
+    }
 }
 
 /// The outer JSON object, whatever its shape; absent fields stay `None`. One flat struct (no
@@ -65,10 +104,10 @@ struct RawRecord<'a> {
     before: Option<Row>,
     #[serde(default)]
     after: Option<Row>,
-    #[serde(default)]
-    op: Option<String>,
-    #[serde(default)]
-    source: Option<RawSource>,
+    #[serde(borrow, default)]
+    op: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    source: Option<RawSource<'a>>,
     #[serde(default)]
     transaction: Option<RawTx>,
     // Transaction metadata records.
@@ -83,15 +122,15 @@ struct RawRecord<'a> {
 }
 
 #[derive(Deserialize, Default)]
-struct RawSource {
-    #[serde(default)]
-    connector: Option<String>,
-    #[serde(default)]
-    db: Option<String>,
-    #[serde(default)]
-    schema: Option<String>,
-    #[serde(default)]
-    table: Option<String>,
+struct RawSource<'a> {
+    #[serde(borrow, default)]
+    connector: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    db: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    schema: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    table: Option<Cow<'a, str>>,
     #[serde(default)]
     lsn: Option<u64>,
     #[serde(default, rename = "txId")]
@@ -171,9 +210,9 @@ impl DebeziumDecoder {
                 None => None,
             };
             let envelope: RawRecord<'_> = parse_borrowed(payload.get(), "`payload`")?;
-            return build(envelope, schema.as_deref(), position);
+            return build(envelope, schema.as_deref(), position, &mut self.names);
         }
-        build(raw, None, position)
+        build(raw, None, position, &mut self.names)
     }
 
     fn decode_key(&mut self, key: &RawValue) -> Result<Option<Row>, String> {
@@ -236,6 +275,7 @@ fn build(
     env: RawRecord<'_>,
     schema: Option<&EnvelopeSchema>,
     position: &Position,
+    names: &mut Interner,
 ) -> Result<Record, String> {
     let Some(op_code) = env.op else {
         return transaction_marker(env.status, env.id, env.event_count, env.ts_ms, position);
@@ -243,10 +283,11 @@ fn build(
     let op = Op::from_code(&op_code)
         .ok_or_else(|| format!("unknown op `{op_code}` (expected one of c, u, d, r, t)"))?;
     let source = env.source.ok_or("missing `source` block")?;
-    let Some(table) = source.table.clone() else {
+    let Some(table) = source.table.as_deref() else {
         return Err("missing `source.table`".into());
     };
-    let schema_name = source.schema.clone().or_else(|| source.db.clone()).unwrap_or_default();
+    let schema_name = source.schema.as_deref().or(source.db.as_deref()).unwrap_or_default();
+    let table = names.table(schema_name, table);
 
     let mut before = env.before;
     let mut after = env.after;
@@ -275,19 +316,19 @@ fn build(
         }),
         None => None,
     };
-    let kafka = match (source.topic, source.partition, source.offset) {
+    let kafka = match (source.topic.clone(), source.partition, source.offset) {
         (Some(topic), Some(partition), Some(offset)) => Some(KafkaCoordinates { topic, partition, offset }),
         _ => None,
     };
     Ok(Record::Change(ChangeEvent {
-        table: TableId::new(&schema_name, &table),
+        table,
         op,
         key: None,
         before: before.map(Arc::new),
         after: after.map(Arc::new),
         source: SourceInfo {
-            connector: source.connector,
-            db: source.db,
+            connector: source.connector.map(|c| names.string(&c)),
+            db: source.db.map(|d| names.string(&d)),
             ts_ms: source.ts_ms.or(env.ts_ms),
             tx_id: source.tx_id,
             lsn: source.lsn,
