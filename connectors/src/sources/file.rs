@@ -226,7 +226,8 @@ impl Reader {
                 worker.send(job).expect("decode workers live as long as the reader");
                 replies.push(reply_rx);
             }
-            let mut items = decode_lines(&mut self.decoder, &self.partition, &chunk, base, &lines, 0..per.min(lines.len()));
+            let mut items = Vec::with_capacity(lines.len());
+            items.extend(decode_lines(&mut self.decoder, &self.partition, &chunk, base, &lines, 0..per.min(lines.len())));
             for reply in replies {
                 items.extend(reply.recv().expect("a decode worker answers"));
             }

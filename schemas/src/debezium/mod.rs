@@ -47,6 +47,9 @@ pub struct DecodeError {
 pub struct DebeziumDecoder {
     schemas: HashMap<Box<str>, Arc<EnvelopeSchema>>,
     names: Interner,
+    /// simd-json parses in place: each record is copied here first.
+    scratch: Vec<u8>,
+    buffers: Option<simd_json::Buffers>,
 }
 
 /// Shares the strings every event of a table repeats (schema, table, connector, db), so an event
@@ -86,11 +89,9 @@ impl Interner {
     }
 }
 
-/// The outer JSON object, whatever its shape; absent fields stay `None`. One flat struct (no
-/// `#[serde(flatten)]`, which buffers) keeps decoding on serde_json's fast path.
-#[derive(Deserialize, Default)]
+/// The outer JSON object of the wrapped and key/value shapes (the slower, general path).
+#[derive(Deserialize)]
 struct RawRecord<'a> {
-    // Wrapper and key/value forms.
     #[serde(borrow, default)]
     schema: Option<&'a RawValue>,
     #[serde(borrow, default, deserialize_with = "present")]
@@ -99,7 +100,15 @@ struct RawRecord<'a> {
     key: Option<&'a RawValue>,
     #[serde(borrow, default, deserialize_with = "present")]
     value: Option<Option<&'a RawValue>>,
-    // The envelope proper.
+    #[serde(borrow, flatten)]
+    envelope: Envelope<'a>,
+}
+
+/// The envelope fields (and transaction-marker fields); absent fields stay `None`. The bare
+/// shape is parsed straight into this flat struct by simd-json; the `wrapped` flags tell when a
+/// record needs the general path instead.
+#[derive(Deserialize, Default)]
+struct Envelope<'a> {
     #[serde(default)]
     before: Option<Row>,
     #[serde(default)]
@@ -119,6 +128,26 @@ struct RawRecord<'a> {
     event_count: Option<u64>,
     #[serde(default)]
     ts_ms: Option<i64>,
+    // Present only in the wrapped and key/value shapes.
+    #[serde(default, rename = "schema", deserialize_with = "present_any")]
+    has_schema: bool,
+    #[serde(default, rename = "payload", deserialize_with = "present_any")]
+    has_payload: bool,
+    #[serde(default, rename = "key", deserialize_with = "present_any")]
+    has_key: bool,
+    #[serde(default, rename = "value", deserialize_with = "present_any")]
+    has_value: bool,
+}
+
+impl Envelope<'_> {
+    fn is_bare(&self) -> bool {
+        !(self.has_schema || self.has_payload || self.has_key || self.has_value)
+    }
+}
+
+fn present_any<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    serde::de::IgnoredAny::deserialize(d)?;
+    Ok(true)
 }
 
 #[derive(Deserialize, Default)]
@@ -179,6 +208,17 @@ impl DebeziumDecoder {
             };
             return Err(fail(reason));
         }
+        // Fast path: the bare envelope, parsed by simd-json. Anything else, including every
+        // error, takes the general serde_json path, which also words the errors.
+        let Self { scratch, buffers, names, .. } = self;
+        scratch.clear();
+        scratch.extend_from_slice(bytes);
+        let buffers = buffers.get_or_insert_with(|| simd_json::Buffers::new(bytes.len()));
+        if let Ok(envelope) = simd_json::serde::from_slice_with_buffers::<Envelope<'_>>(scratch, buffers) {
+            if envelope.is_bare() {
+                return build(envelope, None, &position, names).map_err(fail);
+            }
+        }
         let raw: RawRecord<'_> = serde_json::from_slice(bytes).map_err(|e| fail(json_reason(&e)))?;
         self.decode_record(raw, &position).map_err(fail)
     }
@@ -209,10 +249,10 @@ impl DebeziumDecoder {
                 Some(s) => Some(self.schema(s)?),
                 None => None,
             };
-            let envelope: RawRecord<'_> = parse_borrowed(payload.get(), "`payload`")?;
+            let envelope: Envelope<'_> = parse_borrowed(payload.get(), "`payload`")?;
             return build(envelope, schema.as_deref(), position, &mut self.names);
         }
-        build(raw, None, position, &mut self.names)
+        build(raw.envelope, None, position, &mut self.names)
     }
 
     fn decode_key(&mut self, key: &RawValue) -> Result<Option<Row>, String> {
@@ -272,7 +312,7 @@ fn json_reason(e: &serde_json::Error) -> String {
 
 /// Builds a [`Record`] from envelope fields, converting logical types when a schema is known.
 fn build(
-    env: RawRecord<'_>,
+    env: Envelope<'_>,
     schema: Option<&EnvelopeSchema>,
     position: &Position,
     names: &mut Interner,
