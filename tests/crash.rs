@@ -93,3 +93,46 @@ fn sigterm_drains_checkpoints_and_exits_zero() {
     assert_eq!(checkpoint, log_len);
     assert!(diff(&expected_state(&lines), &read_output(&out)).is_empty());
 }
+
+#[test]
+fn a_sink_that_is_down_holds_the_checkpoint_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("changes.jsonl");
+    let out = dir.path().join("out");
+    let lines = change_log(3_000, 11);
+    write_lines(&log, &lines);
+    let pipeline = pipeline(dir.path(), &log, &out, "");
+    // The sink cannot create `out/items/`: a file is in the way. Every write to it fails.
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("items"), b"not a directory").unwrap();
+    let first_item_end: u64 = {
+        let i = lines.iter().position(|l| l.contains(r#""table":"items""#)).unwrap();
+        lines[..=i].iter().map(|l| l.len() as u64 + 1).sum()
+    };
+
+    let child = refract().env("RUST_LOG", "warn").arg("run").arg(&pipeline).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    let pid = child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let result = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(stderr.contains("failed, retrying"), "the sink is retried while down: {stderr}");
+    assert!(!result.status.success(), "stopping with undelivered changes is reported: {stderr}");
+    assert!(stderr.contains("undelivered changes"), "{stderr}");
+
+    // The checkpoint did not pass the first change the sink could not write.
+    let plan = output(refract().arg("plan").arg(&pipeline));
+    let plan = String::from_utf8_lossy(&plan.stdout);
+    let line = plan.lines().find(|l| l.contains("checkpoint:")).unwrap();
+    if let Some(at) = line.split('@').nth(1) {
+        let offset: u64 = at.trim_end_matches("))").trim_end_matches(')').parse().unwrap();
+        assert!(offset < first_item_end, "checkpoint {offset} passed the first undelivered change at {first_item_end}: {line}");
+    }
+
+    // The sink comes back: everything arrives.
+    std::fs::remove_file(out.join("items")).unwrap();
+    let done = output(refract().arg("run").arg(&pipeline).arg("--until-caught-up"));
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    let problems = diff(&expected_state(&lines), &read_output(&out));
+    assert!(problems.is_empty(), "{problems:?}");
+}

@@ -52,6 +52,11 @@ pub enum RunError {
     /// A sink failed permanently.
     #[error(transparent)]
     Sink(SinkError),
+    /// Shutdown was requested while a sink was still failing: the checkpoint stayed before the
+    /// undelivered changes, which the next run replays.
+    #[error("stopped on request while a sink was failing ({0}); the checkpoint stays before the undelivered changes, \
+             which the next run replays")]
+    Interrupted(SinkError),
     /// The checkpoint store failed.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
@@ -454,10 +459,7 @@ impl Processor {
                 self.complete_ready();
                 Ok(())
             }
-            Ack::Failed { error, shutdown: true, .. } => {
-                tracing::warn!(error = %error, "stopped while a sink was failing; undelivered changes will be replayed on restart");
-                Err(RunError::Sink(error))
-            }
+            Ack::Failed { error, shutdown: true } => Err(RunError::Interrupted(error)),
             Ack::Failed { error, .. } => Err(RunError::Sink(error)),
         }
     }
