@@ -100,7 +100,7 @@ pub enum DeadLetterStore {
         path: PathBuf,
         /// The open file, positioned at its end.
         file: File,
-        /// Positions past the checkpoint already recorded (not to be written twice on replay).
+        /// Positions past the checkpoint recorded before a restart (not to be written twice).
         recorded: HashSet<(String, (u64, u64))>,
     },
     /// NDJSON objects under an object-store prefix.
@@ -182,21 +182,25 @@ impl DeadLetterStore {
         }
         match self {
             DeadLetterStore::File { path, file, recorded } => {
+                // Entries recorded before a crash are skipped once; the runtime never hands the
+                // same letter twice within a run, so the set only shrinks.
                 let mut buf = Vec::new();
-                let mut new = Vec::new();
                 for letter in letters {
                     let key = (letter.position.partition.to_string(), (letter.position.offset.0, letter.position.offset.1));
-                    if !recorded.contains(&key) {
+                    if !recorded.remove(&key) {
                         buf.extend(encode(letter, now_ms));
-                        new.push(key);
                     }
                 }
                 if buf.is_empty() {
                     return Ok(());
                 }
-                file.write_all(&buf).map_err(|e| failed(format!("cannot append to {}", path.display()), e))?;
-                file.sync_data().map_err(|e| failed(format!("cannot sync {}", path.display()), e))?;
-                recorded.extend(new);
+                let before = file.metadata().map_err(|e| failed(format!("cannot stat {}", path.display()), e))?.len();
+                let appended = file.write_all(&buf).and_then(|()| file.sync_data());
+                if let Err(e) = appended {
+                    // Undo a partial append so that the retry does not record entries twice.
+                    let _ = file.set_len(before);
+                    return Err(failed(format!("cannot append to {}", path.display()), e));
+                }
                 Ok(())
             }
             DeadLetterStore::Object { store, root, .. } => {
@@ -226,6 +230,17 @@ mod tests {
             table: None,
             raw: Bytes::from_static(b"{oops"),
         }
+    }
+
+    #[tokio::test]
+    async fn an_object_store_prefix_gets_one_object_per_batch() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = DeadLetterStore::open_url(&format!("file://{}", dir.path().display())).unwrap();
+        store.write(&[letter(10), letter(20)], 1).await.unwrap();
+        let object = dir.path().join("file_x/10-20.ndjson");
+        let got = lines(&object);
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[1]["position"]["offset"][0], 20);
     }
 
     fn lines(path: &std::path::Path) -> Vec<serde_json::Value> {

@@ -176,13 +176,23 @@ pub async fn run(loaded: &LoadedPipeline, options: RunOptions, shutdown: watch::
         })
         .collect();
 
+    // Delivery tasks give up retrying when asked to stop, or when the run fails elsewhere.
+    let stop_tasks = Arc::new(watch::channel(false).0);
+    {
+        let (stop_tasks, mut shutdown) = (stop_tasks.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            if shutdown.wait_for(|s| *s).await.is_ok() {
+                stop_tasks.send_replace(true);
+            }
+        });
+    }
     let (ack_tx, ack_rx) = mpsc::unbounded_channel();
     let mut job_txs = Vec::with_capacity(targets.len());
     let mut tasks = Vec::with_capacity(targets.len());
     for (index, target) in targets.into_iter().enumerate() {
         let (tx, rx) = mpsc::channel(config.pipeline.queue_depth);
         job_txs.push(tx);
-        tasks.push(tokio::spawn(delivery::run(index, target, rx, ack_tx.clone(), shutdown.clone())));
+        tasks.push(tokio::spawn(delivery::run(index, target, rx, ack_tx.clone(), stop_tasks.subscribe())));
     }
     drop(ack_tx);
 
@@ -221,6 +231,9 @@ pub async fn run(loaded: &LoadedPipeline, options: RunOptions, shutdown: watch::
     }
     let outcome = processor.run(&mut *source, shutdown).await;
     let Processor { mut summary, job_txs, cp_tx, .. } = processor;
+    if outcome.is_err() {
+        stop_tasks.send_replace(true);
+    }
     drop(job_txs);
     drop(cp_tx);
     for task in tasks {
