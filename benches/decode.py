@@ -15,6 +15,8 @@ summary = os.path.join(work, "summary.json")
 
 
 rss_kib = []
+refract_cpu = []
+pyarrow_cpu = []
 
 
 def run_refract():
@@ -23,19 +25,22 @@ def run_refract():
     t = time.perf_counter()
     # /usr/bin/time reports refract's own peak RSS (a child of this process would report
     # the pages it inherited from this Python, pyarrow table included).
-    subprocess.run(["/usr/bin/time", "-f", "%M", "-o", rss_file, refract, "run", pipeline, "--summary-json", summary],
+    subprocess.run(["/usr/bin/time", "-f", "%M %U %S", "-o", rss_file, refract, "run", pipeline, "--summary-json", summary],
                    check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, RUST_LOG="warn"))
     elapsed = time.perf_counter() - t
-    rss_kib.append(int(open(rss_file).read().split()[-1]))
+    rss, user, sys_ = open(rss_file).read().split()[-3:]
+    rss_kib.append(int(rss))
+    refract_cpu.append(float(user) + float(sys_))
     records = json.load(open(summary))["records"]
     assert records == events, f"refract read {records} of {events} records"
     return elapsed
 
 
 def run_pyarrow():
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     table = pj.read_json(log)
     elapsed = time.perf_counter() - t
+    pyarrow_cpu.append(time.process_time() - c)
     assert table.num_rows == events, f"pyarrow read {table.num_rows} of {events} rows"
     return elapsed
 
@@ -52,3 +57,6 @@ r, p = events / min(refract_times), events / min(pyarrow_times)
 print(f"\nfile: {events} events, {size_mib:.1f} MiB; best of 3 rounds on {os.cpu_count()} cores")
 print(f"decode events/s: refract {r:,.0f} / pyarrow.json.read_json {p:,.0f} = {r / p:.2f}x")
 print(f"refract peak RSS: {rss_mib:.1f} MiB")
+# CPU time is steadier than wall time on a shared machine: events per CPU-second of all threads.
+rc, pc = events / min(refract_cpu), events / min(pyarrow_cpu)
+print(f"events per CPU-second: refract {rc:,.0f} / pyarrow {pc:,.0f} = {rc / pc:.2f}x")

@@ -1,17 +1,18 @@
 //! `kind = "file"`: a change log of Debezium envelopes, one JSON object per line.
 //!
 //! One partition, named after the configured path. A line's position is the byte offset just past
-//! its newline, so a checkpoint is exactly where to resume. A reader thread reads large chunks,
-//! splits them into lines and decodes them on `decode_threads` threads, keeping line order; the
-//! bounded channel to the runtime is the backpressure. In follow mode the reader waits at end of
-//! file for more lines; a line without its newline is only taken as complete at the end of an
-//! `--until-caught-up` run.
+//! its newline, so a checkpoint is exactly where to resume. A reader thread reads chunks that end
+//! at a line boundary and hands them, numbered, to `decode_threads` decode workers; the source
+//! puts the decoded chunks back in order. Bounded queues between the stages are the
+//! backpressure. In follow mode the reader waits at end of file for more lines; a line without
+//! its newline is only taken as complete at the end of an `--until-caught-up` run.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -23,13 +24,14 @@ use tokio::sync::{mpsc, watch};
 
 use crate::{ReadMode, Source, SourceError, SourceItem};
 
-/// Bytes read per chunk: big enough that per-chunk overhead (a thread fork-join, a channel send)
-/// is negligible, small enough that a chunk's decoded events stay a few MiB.
-const CHUNK_BYTES: usize = 2 * 1024 * 1024;
+/// Bytes read per chunk: big enough that per-chunk overhead (a queue hand-off, a wake-up) is
+/// negligible, small enough that a chunk's decoded events stay a few MiB.
+const CHUNK_BYTES: usize = 1024 * 1024;
 /// Decoded chunks buffered ahead of the runtime.
 const CHANNEL_CHUNKS: usize = 4;
-/// Lines below which a chunk is decoded on one thread: forking costs more than it saves.
-const PARALLEL_MIN_LINES: usize = 256;
+
+/// A decoded chunk (or the error that ends reading), numbered in file order.
+type Tagged = (u64, Result<Vec<SourceItem>, SourceError>);
 
 /// The file source.
 pub struct FileSource {
@@ -38,7 +40,10 @@ pub struct FileSource {
     stop: Arc<AtomicBool>,
     done_bytes: Arc<AtomicU64>,
     total_bytes: Arc<AtomicU64>,
-    rx: Option<mpsc::Receiver<Result<Vec<SourceItem>, SourceError>>>,
+    rx: Option<mpsc::Receiver<Tagged>>,
+    /// Chunks decoded ahead of their turn.
+    early: BTreeMap<u64, Result<Vec<SourceItem>, SourceError>>,
+    next_seq: u64,
 }
 
 impl FileSource {
@@ -52,6 +57,8 @@ impl FileSource {
             done_bytes: Arc::default(),
             total_bytes: Arc::default(),
             rx: None,
+            early: BTreeMap::new(),
+            next_seq: 0,
         }
     }
 }
@@ -87,16 +94,20 @@ impl Source for FileSource {
             n => n,
         };
         let (tx, rx) = mpsc::channel(CHANNEL_CHUNKS);
+        let (job_tx, job_rx) = std::sync::mpsc::sync_channel::<Job>(threads);
+        let job_rx = Arc::new(Mutex::new(job_rx));
+        for i in 0..threads {
+            let worker = Worker { partition: self.partition.clone(), jobs: job_rx.clone(), results: tx.clone(), stop: self.stop.clone() };
+            std::thread::Builder::new()
+                .name(format!("file-decode-{i}"))
+                .spawn(move || worker.run())
+                .map_err(|e| SourceError::Io { message: "cannot start decode threads".into(), source: Some(e) })?;
+        }
         let reader = Reader {
             file,
             path,
             offset: start,
-            partition: self.partition.clone(),
-            decoder: DebeziumDecoder::new(),
-            pool: (1..threads)
-                .map(|i| spawn_worker(self.partition.clone(), i))
-                .collect::<Result<_, _>>()
-                .map_err(|e| SourceError::Io { message: "cannot start decode threads".into(), source: Some(e) })?,
+            seq: 0,
             poll: Duration::from_millis(self.config.poll_interval_ms),
             mode: if self.config.follow { mode } else { ReadMode::UntilCaughtUp },
             stop: self.stop.clone(),
@@ -105,7 +116,7 @@ impl Source for FileSource {
         };
         std::thread::Builder::new()
             .name("file-source".into())
-            .spawn(move || reader.run(tx))
+            .spawn(move || reader.run(job_tx, tx))
             .map_err(|e| SourceError::Io { message: "cannot start the reader thread".into(), source: Some(e) })?;
         self.rx = Some(rx);
         Ok(())
@@ -113,10 +124,27 @@ impl Source for FileSource {
 
     async fn next_chunk(&mut self) -> Result<Option<Vec<SourceItem>>, SourceError> {
         let Some(rx) = self.rx.as_mut() else { return Ok(None) };
-        match rx.recv().await {
-            Some(Ok(items)) => Ok(Some(items)),
-            Some(Err(e)) => Err(e),
-            None => Ok(None),
+        loop {
+            if let Some(chunk) = self.early.remove(&self.next_seq) {
+                self.next_seq += 1;
+                match chunk {
+                    Ok(items) if items.is_empty() => continue,
+                    Ok(items) => return Ok(Some(items)),
+                    Err(e) => return Err(e),
+                }
+            }
+            match rx.recv().await {
+                Some((seq, chunk)) => {
+                    self.early.insert(seq, chunk);
+                }
+                None if self.early.is_empty() => return Ok(None),
+                None => {
+                    return Err(SourceError::Inconsistent(format!(
+                        "chunk {} of the change log was never decoded (a decode thread died)",
+                        self.next_seq
+                    )));
+                }
+            }
         }
     }
 
@@ -129,16 +157,68 @@ impl Source for FileSource {
     }
 }
 
+/// A chunk of whole lines for a decode worker.
+struct Job {
+    seq: u64,
+    /// File offset of the chunk's first byte.
+    base: u64,
+    chunk: Bytes,
+}
+
+/// A decode worker: decodes whole chunks with its own decoder (and schema cache).
+struct Worker {
+    partition: Arc<str>,
+    jobs: Arc<Mutex<std::sync::mpsc::Receiver<Job>>>,
+    results: mpsc::Sender<Tagged>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Worker {
+    fn run(self) {
+        let mut decoder = DebeziumDecoder::new();
+        loop {
+            let job = match self.jobs.lock() {
+                Ok(jobs) => jobs.recv(),
+                Err(_) => return,
+            };
+            let Ok(job) = job else { return };
+            let items = decode_chunk(&mut decoder, &self.partition, &job.chunk, job.base);
+            if self.results.blocking_send((job.seq, Ok(items))).is_err() {
+                // The runtime went away: stop reading.
+                self.stop.store(true, Ordering::Relaxed);
+                return;
+            }
+        }
+    }
+}
+
+/// Decodes every line of `chunk`; blank lines are skipped.
+fn decode_chunk(decoder: &mut DebeziumDecoder, partition: &Arc<str>, chunk: &Bytes, base: u64) -> Vec<SourceItem> {
+    let mut out = Vec::with_capacity(chunk.len() / 256 + 1);
+    let mut start = 0;
+    while start < chunk.len() {
+        let end = memchr::memchr(b'\n', &chunk[start..]).map_or(chunk.len(), |i| start + i + 1);
+        let raw = chunk.slice(start..end);
+        start = end;
+        let text = trim_line(&raw);
+        if text.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let position = Position { partition: partition.clone(), offset: Offset(base + end as u64, 0) };
+        let record = decoder.decode(text, position);
+        out.push(SourceItem { record, raw: raw.slice_ref(text) });
+    }
+    out
+}
+
 /// The reader thread's state.
 struct Reader {
     file: File,
     path: PathBuf,
     /// Byte offset of the first byte not yet handed out.
     offset: u64,
-    partition: Arc<str>,
-    decoder: DebeziumDecoder,
-    /// Job queues of the decode workers beside the reader thread.
-    pool: Vec<std::sync::mpsc::Sender<DecodeJob>>,
+    /// Number of the next chunk.
+    seq: u64,
     poll: Duration,
     mode: ReadMode,
     stop: Arc<AtomicBool>,
@@ -146,16 +226,15 @@ struct Reader {
     total_bytes: Arc<AtomicU64>,
 }
 
-type Sender = mpsc::Sender<Result<Vec<SourceItem>, SourceError>>;
-
 impl Reader {
-    fn run(mut self, tx: Sender) {
-        if let Err(e) = self.read_loop(&tx) {
-            let _ = tx.blocking_send(Err(e));
+    fn run(mut self, jobs: std::sync::mpsc::SyncSender<Job>, results: mpsc::Sender<Tagged>) {
+        if let Err(e) = self.read_loop(&jobs) {
+            // Numbered after every chunk handed out, so it surfaces after them, in order.
+            let _ = results.blocking_send((self.seq, Err(e)));
         }
     }
 
-    fn read_loop(&mut self, tx: &Sender) -> Result<(), SourceError> {
+    fn read_loop(&mut self, jobs: &std::sync::mpsc::SyncSender<Job>) -> Result<(), SourceError> {
         let mut pending = BytesMut::with_capacity(CHUNK_BYTES * 2);
         loop {
             if self.stop.load(Ordering::Relaxed) {
@@ -183,7 +262,7 @@ impl Reader {
                         // The last line may lack its newline: it is complete now or never.
                         if !pending.is_empty() {
                             let tail = pending.split().freeze();
-                            self.emit(tail, tx)?;
+                            self.hand_out(tail, jobs);
                         }
                         return Ok(());
                     }
@@ -196,100 +275,23 @@ impl Reader {
             // Hand out every complete line; keep the partial last line for the next read.
             if let Some(last_nl) = memchr::memrchr(b'\n', &pending) {
                 let complete = pending.split_to(last_nl + 1).freeze();
-                self.emit(complete, tx)?;
+                self.hand_out(complete, jobs);
             }
         }
     }
 
-    /// Decodes the lines of `chunk` (which ends at a line boundary or at end of input) and sends them.
-    fn emit(&mut self, chunk: Bytes, tx: &Sender) -> Result<(), SourceError> {
-        let base = self.offset;
-        let mut lines = Vec::with_capacity(chunk.len() / 256 + 1);
-        let mut start = 0;
-        while start < chunk.len() {
-            let end = memchr(&chunk[start..]).map_or(chunk.len(), |i| start + i + 1);
-            lines.push((start, end));
-            start = end;
-        }
-        let lines = Arc::new(lines);
-        let workers = self.pool.len() + 1;
-        let items = if workers == 1 || lines.len() < PARALLEL_MIN_LINES {
-            decode_lines(&mut self.decoder, &self.partition, &chunk, base, &lines, 0..lines.len())
-        } else {
-            // Parts 1.. go to the pool, part 0 is decoded here; results are joined in order.
-            let per = lines.len().div_ceil(workers);
-            let mut replies = Vec::with_capacity(self.pool.len());
-            for (i, worker) in self.pool.iter().enumerate() {
-                let range = ((i + 1) * per).min(lines.len())..((i + 2) * per).min(lines.len());
-                let (reply_tx, reply_rx) = std::sync::mpsc::sync_channel(1);
-                let job = DecodeJob { chunk: chunk.clone(), base, lines: lines.clone(), range, reply: reply_tx };
-                worker.send(job).expect("decode workers live as long as the reader");
-                replies.push(reply_rx);
-            }
-            let mut items = Vec::with_capacity(lines.len());
-            items.extend(decode_lines(&mut self.decoder, &self.partition, &chunk, base, &lines, 0..per.min(lines.len())));
-            for reply in replies {
-                items.extend(reply.recv().expect("a decode worker answers"));
-            }
-            items
-        };
-        self.offset = base + chunk.len() as u64;
-        self.done_bytes.store(self.offset, Ordering::Relaxed);
-        if !items.is_empty() && tx.blocking_send(Ok(items)).is_err() {
-            // The runtime went away: stop reading.
+    /// Queues a chunk of whole lines for decoding (waiting while the workers are busy).
+    fn hand_out(&mut self, chunk: Bytes, jobs: &std::sync::mpsc::SyncSender<Job>) {
+        let len = chunk.len() as u64;
+        let job = Job { seq: self.seq, base: self.offset, chunk };
+        if jobs.send(job).is_err() {
             self.stop.store(true, Ordering::Relaxed);
+            return;
         }
-        Ok(())
+        self.seq += 1;
+        self.offset += len;
+        self.done_bytes.store(self.offset, Ordering::Relaxed);
     }
-}
-
-/// A part of a chunk for a decode worker.
-struct DecodeJob {
-    chunk: Bytes,
-    base: u64,
-    lines: Arc<Vec<(usize, usize)>>,
-    range: std::ops::Range<usize>,
-    reply: std::sync::mpsc::SyncSender<Vec<SourceItem>>,
-}
-
-/// Starts a decode worker thread; it ends when its job sender is dropped.
-fn spawn_worker(partition: Arc<str>, index: usize) -> std::io::Result<std::sync::mpsc::Sender<DecodeJob>> {
-    let (tx, rx) = std::sync::mpsc::channel::<DecodeJob>();
-    std::thread::Builder::new().name(format!("file-decode-{index}")).spawn(move || {
-        let mut decoder = DebeziumDecoder::new();
-        for job in rx {
-            let items = decode_lines(&mut decoder, &partition, &job.chunk, job.base, &job.lines, job.range);
-            let _ = job.reply.send(items);
-        }
-    })?;
-    Ok(tx)
-}
-
-/// Decodes `lines[range]` of `chunk`; blank lines are skipped.
-fn decode_lines(
-    decoder: &mut DebeziumDecoder,
-    partition: &Arc<str>,
-    chunk: &Bytes,
-    base: u64,
-    lines: &[(usize, usize)],
-    range: std::ops::Range<usize>,
-) -> Vec<SourceItem> {
-    let mut out = Vec::with_capacity(range.len());
-    for &(s, e) in &lines[range] {
-        let raw = chunk.slice(s..e);
-        let text = trim_line(&raw);
-        if text.iter().all(u8::is_ascii_whitespace) {
-            continue;
-        }
-        let position = Position { partition: partition.clone(), offset: Offset(base + e as u64, 0) };
-        let record = decoder.decode(text, position);
-        out.push(SourceItem { record, raw: raw.slice_ref(text) });
-    }
-    out
-}
-
-fn memchr(haystack: &[u8]) -> Option<usize> {
-    memchr::memchr(b'\n', haystack)
 }
 
 /// The line without its trailing `\n` / `\r\n`.
@@ -332,17 +334,18 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("log.jsonl");
         let mut f = File::create(&path).unwrap();
-        for i in 0..5000 {
+        // ~3 MiB: several chunks, decoded by two workers and put back in order.
+        for i in 0..50_000 {
             writeln!(f, "{}", line(i)).unwrap();
             if i % 1000 == 0 {
                 writeln!(f).unwrap(); // blank lines are skipped
             }
         }
-        write!(f, "{}", line(5000)).unwrap(); // no trailing newline
+        write!(f, "{}", line(50_000)).unwrap(); // no trailing newline
         drop(f);
 
         let items = read_all(&mut source(&path), &Checkpoint::new()).await;
-        assert_eq!(items.len(), 5001);
+        assert_eq!(items.len(), 50_001);
         let ids: Vec<i64> = items
             .iter()
             .map(|it| match it.record.as_ref().unwrap() {
@@ -354,12 +357,12 @@ mod tests {
         let file_len = std::fs::metadata(&path).unwrap().len();
         assert_eq!(items.last().unwrap().record.as_ref().unwrap().position().offset, Offset(file_len, 0));
 
-        // Resume after item 2999: exactly the rest comes back.
-        let cut = items[2999].record.as_ref().unwrap().position().clone();
+        // Resume after item 29999: exactly the rest comes back.
+        let cut = items[29_999].record.as_ref().unwrap().position().clone();
         let checkpoint = Checkpoint::from([(cut.partition.to_string(), cut.offset)]);
         let rest = read_all(&mut source(&path), &checkpoint).await;
-        assert_eq!(rest.len(), 2001);
-        assert_eq!(rest[0].raw, line(3000).as_bytes());
+        assert_eq!(rest.len(), 20_001);
+        assert_eq!(rest[0].raw, line(30_000).as_bytes());
     }
 
     #[tokio::test]
