@@ -37,7 +37,8 @@ fn sigkill_at_random_moments_loses_nothing() {
         file.write_all(&text.as_bytes()[..cut]).unwrap();
         file.flush().unwrap();
 
-        let mut child = refract().arg("run").arg(&pipeline).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        let mut daemon = Running::spawn(refract().arg("run").arg(&pipeline).stdout(Stdio::null()).stderr(Stdio::piped()));
+        let child = daemon.child();
         std::thread::sleep(Duration::from_millis(20 + rng.below(400)));
         file.write_all(&text.as_bytes()[cut..]).unwrap();
         file.flush().unwrap();
@@ -78,11 +79,17 @@ fn sigterm_drains_checkpoints_and_exits_zero() {
     let pipeline = pipeline(dir.path(), &log, &out, "");
     let summary = dir.path().join("summary.json");
 
-    let child = refract().arg("run").arg(&pipeline).arg("--summary-json").arg(&summary).stdout(Stdio::piped()).spawn().unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
-    let pid = child.id().to_string();
-    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
-    let result = child.wait_with_output().unwrap();
+    let mut daemon = Running::spawn(refract().arg("run").arg(&pipeline).arg("--summary-json").arg(&summary).stdout(Stdio::piped()));
+    // Wait (bounded) until the daemon has caught up and is idle, following the file.
+    let expected = expected_state(&lines);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !diff(&expected, &read_output_live(&out)).is_empty() {
+        assert!(std::time::Instant::now() < deadline, "the daemon did not catch up within 60 s");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    daemon.terminate();
+    let result = daemon.wait_with_output();
     assert!(result.status.success(), "SIGTERM must exit 0, got {}", result.status);
     let summary: serde_json::Value = serde_json::from_slice(&std::fs::read(&summary).unwrap()).unwrap();
     assert_eq!(summary["stopped_by_signal"], true);
@@ -91,7 +98,7 @@ fn sigterm_drains_checkpoints_and_exits_zero() {
     let log_len = std::fs::metadata(&log).unwrap().len();
     let checkpoint = summary["checkpoint"].as_object().unwrap().values().next().unwrap()[0].as_u64().unwrap();
     assert_eq!(checkpoint, log_len);
-    assert!(diff(&expected_state(&lines), &read_output(&out)).is_empty());
+    assert!(diff(&expected, &read_output(&out)).is_empty());
 }
 
 #[test]
@@ -110,11 +117,10 @@ fn a_sink_that_is_down_holds_the_checkpoint_and_loses_nothing() {
         lines[..=i].iter().map(|l| l.len() as u64 + 1).sum()
     };
 
-    let child = refract().env("RUST_LOG", "warn").arg("run").arg(&pipeline).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut daemon = Running::spawn(refract().env("RUST_LOG", "warn").arg("run").arg(&pipeline).stdout(Stdio::null()).stderr(Stdio::piped()));
     std::thread::sleep(Duration::from_millis(2500));
-    let pid = child.id().to_string();
-    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
-    let result = child.wait_with_output().unwrap();
+    daemon.terminate();
+    let result = daemon.wait_with_output();
     let stderr = String::from_utf8_lossy(&result.stderr);
     assert!(stderr.contains("failed, retrying"), "the sink is retried while down: {stderr}");
     assert!(!result.status.success(), "stopping with undelivered changes is reported: {stderr}");

@@ -168,6 +168,16 @@ pub fn expected_state(lines: &[String]) -> BTreeMap<(String, String), Value> {
 /// Reads every `{collection}/{key}.json` under `out`; fails on any other file (staging leftovers,
 /// half-written objects).
 pub fn read_output(out: &Path) -> BTreeMap<(String, String), Value> {
+    read_documents(out, true)
+}
+
+/// Like [`read_output`], for a directory a running daemon is writing to: staging files and
+/// objects that vanish while listed are passed over.
+pub fn read_output_live(out: &Path) -> BTreeMap<(String, String), Value> {
+    read_documents(out, false)
+}
+
+fn read_documents(out: &Path, strict: bool) -> BTreeMap<(String, String), Value> {
     let mut docs = BTreeMap::new();
     let Ok(collections) = std::fs::read_dir(out) else { return docs };
     for collection in collections {
@@ -179,8 +189,15 @@ pub fn read_output(out: &Path) -> BTreeMap<(String, String), Value> {
         for file in std::fs::read_dir(collection.path()).unwrap() {
             let file = file.unwrap();
             let fname = file.file_name().to_string_lossy().into_owned();
+            if !strict && !fname.ends_with(".json") {
+                continue;
+            }
             let stem = fname.strip_suffix(".json").unwrap_or_else(|| panic!("unexpected file {name}/{fname}"));
-            let bytes = std::fs::read(file.path()).unwrap();
+            let bytes = match std::fs::read(file.path()) {
+                Ok(b) => b,
+                Err(_) if !strict => continue,
+                Err(e) => panic!("cannot read {name}/{fname}: {e}"),
+            };
             let doc: Value = serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{name}/{fname} is not whole JSON: {e}"));
             docs.insert((name.clone(), stem.to_owned()), doc);
         }
@@ -204,6 +221,39 @@ pub fn diff(expected: &BTreeMap<(String, String), Value>, actual: &BTreeMap<(Str
         }
     }
     out
+}
+
+/// A running `refract` process that is killed (SIGKILL) if the test ends before it does, so a
+/// failing test never leaves a daemon holding the test runner's output open.
+pub struct Running(Option<std::process::Child>);
+
+impl Running {
+    pub fn spawn(cmd: &mut Command) -> Self {
+        Running(Some(cmd.spawn().expect("the refract binary starts")))
+    }
+    pub fn child(&mut self) -> &mut std::process::Child {
+        self.0.as_mut().expect("the process is still owned")
+    }
+    /// Sends SIGTERM.
+    pub fn terminate(&mut self) {
+        let pid = self.child().id().to_string();
+        assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    }
+    /// Waits for the process to end by itself, collecting its piped output.
+    pub fn wait_with_output(mut self) -> Output {
+        self.0.take().expect("the process is still owned").wait_with_output().unwrap()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.as_mut() {
+            if matches!(child.try_wait(), Ok(None)) {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
 }
 
 /// Writes lines to a file, each followed by a newline.
