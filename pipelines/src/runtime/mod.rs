@@ -242,6 +242,7 @@ pub async fn run(loaded: &LoadedPipeline, options: RunOptions, shutdown: watch::
     let final_checkpoint = checkpointer.await.expect("checkpointer task")?;
     summary.checkpoint = final_checkpoint;
     summary.elapsed = started.elapsed();
+    summary.finish();
     match outcome {
         Ok(stopped_by_signal) => {
             summary.stopped_by_signal = stopped_by_signal;
@@ -407,7 +408,12 @@ impl Processor {
                 event.position
             }
         };
-        self.batch.end.insert(position.partition, position.offset);
+        match self.batch.end.get_mut(&position.partition) {
+            Some(end) => *end = position.offset,
+            None => {
+                self.batch.end.insert(position.partition, position.offset);
+            }
+        }
         Ok(())
     }
 

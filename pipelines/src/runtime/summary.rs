@@ -37,6 +37,9 @@ pub struct RunSummary {
     pub stopped_by_signal: bool,
     #[serde(skip)]
     sink_names: Vec<String>,
+    /// Per-op counters on the hot path, folded into `changes` by [`RunSummary::finish`].
+    #[serde(skip)]
+    op_counts: [u64; 5],
 }
 
 fn seconds<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -59,11 +62,22 @@ impl RunSummary {
             elapsed: Duration::ZERO,
             stopped_by_signal: false,
             sink_names,
+            op_counts: [0; 5],
         }
     }
 
     pub(crate) fn count_op(&mut self, op: Op) {
-        *self.changes.entry(op.code()).or_default() += 1;
+        self.op_counts[op as usize] += 1;
+    }
+
+    /// Folds the hot-path counters into the reported fields.
+    pub(crate) fn finish(&mut self) {
+        for op in [Op::Create, Op::Update, Op::Delete, Op::Read, Op::Truncate] {
+            let n = self.op_counts[op as usize];
+            if n > 0 {
+                self.changes.insert(op.code(), n);
+            }
+        }
     }
 
     pub(crate) fn add_report(&mut self, sink: usize, report: WriteReport) {
