@@ -1,3 +1,4 @@
 //! Sources: where change records come from. One file per kind; see [`crate::registry`].
 
 pub mod file;
+pub mod postgres;
