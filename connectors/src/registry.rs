@@ -6,12 +6,14 @@ use refract_schemas::config::{SinkConfig, SourceConfig};
 use crate::sinks::null::NullSink;
 use crate::sinks::object_json::ObjectJsonSink;
 use crate::sources::file::FileSource;
+use crate::sources::postgres::source::PostgresSource;
 use crate::{Sink, Source};
 
-/// Builds the configured source (not yet started).
-pub fn build_source(config: &SourceConfig) -> Box<dyn Source> {
+/// Builds the configured source of pipeline `pipeline` (not yet started).
+pub fn build_source(config: &SourceConfig, pipeline: &str) -> Box<dyn Source> {
     match config {
         SourceConfig::File(c) => Box::new(FileSource::new(c.clone())),
+        SourceConfig::Postgres(c) => Box::new(PostgresSource::new(c.clone(), pipeline)),
     }
 }
 

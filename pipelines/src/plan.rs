@@ -52,6 +52,17 @@ pub fn render(loaded: &LoadedPipeline) -> String {
             let size = std::fs::metadata(&f.path).map_or_else(|e| format!("not readable now: {e}"), |m| format!("{} bytes", m.len()));
             let _ = writeln!(out, "reads  file {} ({size}), Debezium JSON envelopes, one per line", show("source.path", &f.path));
         }
+        SourceConfig::Postgres(pg) => {
+            let _ = writeln!(
+                out,
+                "reads  PostgreSQL {} through slot `{}` and publication `{}` ({}; created when missing: {})",
+                show("source.url", &pg.url),
+                pg.slot_name(&c.pipeline.name),
+                pg.publication_name(&c.pipeline.name),
+                if pg.tables.is_empty() { "all tables".to_owned() } else { pg.tables.join(", ") },
+                pg.create
+            );
+        }
     }
     for (name, p) in &c.projections {
         match p {

@@ -201,7 +201,7 @@ pub async fn run(loaded: &LoadedPipeline, options: RunOptions, shutdown: watch::
     let (durable_tx, durable_rx) = watch::channel(resumed.clone());
     let checkpointer = tokio::spawn(checkpointer(store, cp_rx, durable_tx));
 
-    let mut source = registry::build_source(&config.source);
+    let mut source = registry::build_source(&config.source, &config.pipeline.name);
     source.start(&resumed, options.mode, durable_rx).await?;
 
     let mut processor = Processor {

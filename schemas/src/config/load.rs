@@ -12,7 +12,7 @@ use toml::de::{DeTable, DeValue};
 
 use super::interpolate::interpolate;
 use super::{
-    FileSourceConfig, NullSinkConfig, ObjectJsonSinkConfig, PipelineFile, ReplicaProjectionConfig,
+    FileSourceConfig, NullSinkConfig, ObjectJsonSinkConfig, PipelineFile, PostgresSourceConfig, ReplicaProjectionConfig,
 };
 
 /// Variable names whose values are secrets: masked by `plan` and never logged.
@@ -242,6 +242,7 @@ fn explain_variant(section: &str, mut value: Spanned<DeValue<'_>>) -> Option<(St
     let de = toml::de::ValueDeserializer::from(value);
     match (section, kind.as_str()) {
         ("source", "file") => first_error::<FileSourceConfig>(de),
+        ("source", "postgres") => first_error::<PostgresSourceConfig>(de),
         ("projections", "replica") => first_error::<ReplicaProjectionConfig>(de),
         ("sinks", "object_json") => first_error::<ObjectJsonSinkConfig>(de),
         ("sinks", "null") => first_error::<NullSinkConfig>(de),

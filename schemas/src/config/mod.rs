@@ -153,6 +153,34 @@ pub struct DeadLetterConfig {
 pub enum SourceConfig {
     /// A file of Debezium envelopes, one JSON object per line.
     File(FileSourceConfig),
+    /// PostgreSQL logical replication (pgoutput).
+    Postgres(PostgresSourceConfig),
+}
+
+/// `kind = "postgres"`: reads committed changes from a logical replication slot.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PostgresSourceConfig {
+    /// Connection URL (`postgres://user:password@host:port/db`); the role needs the REPLICATION
+    /// attribute, and CREATE on the database to create the publication.
+    pub url: String,
+    /// Replication slot name; default `refract_{pipeline name}`.
+    #[serde(default)]
+    pub slot: Option<String>,
+    /// Publication name; default `refract_{pipeline name}`.
+    #[serde(default)]
+    pub publication: Option<String>,
+    /// Tables of a publication refract creates (`schema.table`); empty means every table of
+    /// the database (`FOR ALL TABLES`, which needs superuser). Ignored when the publication exists.
+    #[serde(default)]
+    pub tables: Vec<String>,
+    /// Create the slot and publication when missing (needs the privileges above).
+    #[serde(default = "default_true")]
+    pub create: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// `kind = "file"`.
@@ -187,6 +215,23 @@ fn default_poll_ms() -> u64 {
 pub enum ProjectionConfig {
     /// The current state of each row, one document per primary key.
     Replica(ReplicaProjectionConfig),
+}
+
+impl PostgresSourceConfig {
+    /// The slot name, defaulting to `refract_{pipeline}`.
+    pub fn slot_name(&self, pipeline: &str) -> String {
+        self.slot.clone().unwrap_or_else(|| default_pg_name(pipeline))
+    }
+
+    /// The publication name, defaulting to `refract_{pipeline}`.
+    pub fn publication_name(&self, pipeline: &str) -> String {
+        self.publication.clone().unwrap_or_else(|| default_pg_name(pipeline))
+    }
+}
+
+fn default_pg_name(pipeline: &str) -> String {
+    let name: String = pipeline.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect();
+    format!("refract_{name}")
 }
 
 impl ProjectionConfig {

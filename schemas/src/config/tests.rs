@@ -47,7 +47,7 @@ fn a_good_file_loads_with_defaults_and_interpolation() {
 fn a_value_with_quotes_cannot_break_the_file() {
     let text = GOOD.replace("${LOG:-changes.jsonl}", "/logs/${DB_PASSWORD}.jsonl");
     let loaded = load_str("p.toml", &text, &env).unwrap();
-    let SourceConfig::File(f) = &loaded.config.source;
+    let SourceConfig::File(f) = &loaded.config.source else { panic!("a file source") };
     assert_eq!(f.path, r#"/logs/p"a'ss]=x.jsonl"#);
     assert!(loaded.secret_paths.contains("source.path"));
 }

@@ -38,6 +38,23 @@ impl PipelineFile {
                 range(&mut problem, "source.poll_interval_ms", f.poll_interval_ms, 10, 60_000);
                 range(&mut problem, "source.decode_threads", f.decode_threads as u64, 0, 64);
             }
+            SourceConfig::Postgres(pg) => {
+                if !(pg.url.starts_with("postgres://") || pg.url.starts_with("postgresql://")) {
+                    problem("source.url", format!("`{}` is not a postgres:// URL", mask_url(&pg.url)));
+                }
+                for (field, name) in [("source.slot", &pg.slot), ("source.publication", &pg.publication)] {
+                    if let Some(n) = name {
+                        if n.is_empty() || n.len() > 63 || !n.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_') {
+                            problem(field, format!("`{n}` must be 1 to 63 lower-case letters, digits or `_`"));
+                        }
+                    }
+                }
+                for (i, t) in pg.tables.iter().enumerate() {
+                    if t.split('.').count() != 2 || t.contains(['"', ';', ' ']) {
+                        problem(&format!("source.tables[{i}]"), format!("`{t}` must be written `schema.table`"));
+                    }
+                }
+            }
         }
 
         if self.projections.is_empty() {

@@ -1,6 +1,6 @@
-//! The PostgreSQL source's building blocks (issue 3, in progress): the `pgoutput` message decoder
-//! and the text-value mapping. The replication connection, slot management and snapshot are not
-//! written yet, so no `kind = "postgres"` source is registered.
+//! `kind = "postgres"`: PostgreSQL logical replication. [`pgoutput`] decodes the wire messages,
+//! [`values`] maps text values to JSON, [`source`] runs the slot.
 
 pub mod pgoutput;
+pub mod source;
 pub mod values;
