@@ -36,6 +36,14 @@ fn fresh_table(name: &str) {
     ));
 }
 
+/// Drops the test's slot and publication, so no WAL is retained for it after the test.
+fn drop_slot(name: &str) {
+    psql(&format!(
+        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = 'refract_{name}';
+         DROP PUBLICATION IF EXISTS refract_{name};"
+    ));
+}
+
 fn pipeline_file(dir: &Path, name: &str, out: &Path) -> std::path::PathBuf {
     let text = format!(
         r#"[pipeline]
@@ -106,6 +114,7 @@ fn replicates_inserts_updates_deletes_and_transactions() {
     // The slot is confirmed up to what was made durable, not beyond the server's position.
     let confirmed = psql(&format!("SELECT confirmed_flush_lsn <= pg_current_wal_lsn() FROM pg_replication_slots WHERE slot_name = 'refract_{name}'"));
     assert_eq!(confirmed, "t");
+    drop_slot(name);
 }
 
 #[test]
@@ -173,4 +182,5 @@ fn sigkill_under_a_writer_loses_nothing_and_state_loss_resumes_from_the_slot() {
     let problems = diff(&table_state(name), &read_output(&out));
     assert!(problems.is_empty(), "after deleting the state: {:?}", &problems[..problems.len().min(5)]);
     eprintln!("{kills} SIGKILLs during {rounds} writer transactions; {} rows equal", expected.len());
+    drop_slot(name);
 }

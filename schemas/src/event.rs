@@ -66,6 +66,8 @@ impl fmt::Display for Offset {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.1 == 0 {
             write!(f, "{}", self.0)
+        } else if self.1 == u64::MAX {
+            write!(f, "{}.end", self.0)
         } else {
             write!(f, "{}.{}", self.0, self.1)
         }

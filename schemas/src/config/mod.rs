@@ -170,8 +170,10 @@ pub struct PostgresSourceConfig {
     /// Publication name; default `refract_{pipeline name}`.
     #[serde(default)]
     pub publication: Option<String>,
-    /// Tables of a publication refract creates (`schema.table`); empty means every table of
-    /// the database (`FOR ALL TABLES`, which needs superuser). Ignored when the publication exists.
+    /// Tables of a publication refract creates: `schema.table`, or `schema.*` for every table of
+    /// a schema; empty means every table of the database (`FOR ALL TABLES`). Creating a
+    /// publication for a schema or all tables needs a superuser. Ignored when the publication
+    /// exists.
     #[serde(default)]
     pub tables: Vec<String>,
     /// Create the slot and publication when missing (needs the privileges above).

@@ -51,7 +51,7 @@ impl PipelineFile {
                 }
                 for (i, t) in pg.tables.iter().enumerate() {
                     if t.split('.').count() != 2 || t.contains(['"', ';', ' ']) {
-                        problem(&format!("source.tables[{i}]"), format!("`{t}` must be written `schema.table`"));
+                        problem(&format!("source.tables[{i}]"), format!("`{t}` must be written `schema.table` or `schema.*`"));
                     }
                 }
             }
@@ -132,6 +132,8 @@ pub fn mask_url(value: &str) -> String {
     let userinfo = &authority[..at];
     let masked = match userinfo.split_once(':') {
         Some((user, _)) => format!("{user}:***"),
+        // A lone user name is not a secret, except where the scheme puts a token there.
+        None if scheme.starts_with("postgres") || scheme.starts_with("mysql") => return value.to_owned(),
         None => "***".to_owned(),
     };
     format!("{scheme}://{masked}{}", &rest[at..])
@@ -145,6 +147,7 @@ mod tests {
     fn masks_url_passwords() {
         assert_eq!(mask_url("postgres://app:s3cr\"et@db:5432/x"), "postgres://app:***@db:5432/x");
         assert_eq!(mask_url("redis://token@cache"), "redis://***@cache");
+        assert_eq!(mask_url("postgres://app@db/x"), "postgres://app@db/x");
         assert_eq!(mask_url("file:///tmp/out"), "file:///tmp/out");
         assert_eq!(mask_url("s3://bucket/a@b"), "s3://bucket/a@b");
     }

@@ -94,13 +94,17 @@ impl Source for PostgresSource {
             let target = if self.config.tables.is_empty() {
                 "ALL TABLES".to_owned()
             } else {
-                let tables: Vec<String> = self
+                let parts: Vec<String> = self
                     .config
                     .tables
                     .iter()
-                    .map(|t| t.split('.').map(quote_ident).collect::<Vec<_>>().join("."))
+                    .map(|t| match t.split_once('.') {
+                        Some((schema, "*")) => format!("TABLES IN SCHEMA {}", quote_ident(schema)),
+                        Some((schema, table)) => format!("TABLE {}.{}", quote_ident(schema), quote_ident(table)),
+                        None => format!("TABLE {}", quote_ident(t)),
+                    })
                     .collect();
-                format!("TABLE {}", tables.join(", "))
+                parts.join(", ")
             };
             client
                 .batch_execute(&format!("CREATE PUBLICATION {} FOR {target}", quote_ident(&self.publication)))
