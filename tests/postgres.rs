@@ -184,3 +184,46 @@ fn sigkill_under_a_writer_loses_nothing_and_state_loss_resumes_from_the_slot() {
     eprintln!("{kills} SIGKILLs during {rounds} writer transactions; {} rows equal", expected.len());
     drop_slot(name);
 }
+
+#[test]
+fn a_huge_transaction_killed_halfway_resumes_inside_it() {
+    let name = "pg_bulk";
+    fresh_table(name);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let pipeline = pipeline_file(dir.path(), name, &out);
+    catch_up(&pipeline);
+    // 200k changes of one transaction share its commit LSN; only the sequence tells them apart.
+    // 200k rows here; 100k in CI (CI=true) to keep the suite short.
+    let rows = if std::env::var_os("CI").is_some() { 100_000 } else { 200_000 };
+    psql(&format!("INSERT INTO {name} SELECT g, 'bulk ' || g, g % 10, g / 100.0, NULL FROM generate_series(1, {rows}) g"));
+    let count = || std::fs::read_dir(out.join(name)).map_or(0, |d| d.count());
+    let started = std::time::Instant::now();
+    let mut kills = 0;
+    let mut checkpoint_inside = false;
+    for threshold in [rows / 10, rows * 3 / 10, rows * 11 / 20, rows * 4 / 5] {
+        let mut daemon = Running::spawn(refract().arg("run").arg(&pipeline).stdout(Stdio::null()).stderr(Stdio::null()));
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        while count() < threshold && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let child = daemon.child();
+        if child.try_wait().unwrap().is_none() && count() < rows {
+            child.kill().unwrap();
+            kills += 1;
+        }
+        child.wait().unwrap();
+        // The checkpoint may hold a position inside the transaction: `pg:slot@LSN.SEQ`.
+        let plan = String::from_utf8_lossy(&output(refract().arg("plan").arg(&pipeline)).stdout).into_owned();
+        let seq = plan.split("@").nth(1).and_then(|p| p.split(['.', ')']).nth(1)).unwrap_or("");
+        checkpoint_inside |= seq.parse::<u64>().is_ok_and(|n| n > 0);
+        eprintln!("{:?} threshold {threshold}: {} documents, checkpoint sequence {seq:?}", started.elapsed(), count());
+    }
+    assert!(kills >= 3, "only {kills} kills landed inside the transaction");
+    assert!(checkpoint_inside, "no checkpoint inside the transaction was seen");
+    eprintln!("{:?} catching up", started.elapsed());
+    catch_up(&pipeline);
+    let problems = diff(&table_state(name), &read_output(&out));
+    assert!(problems.is_empty(), "{} differences: {:?}", problems.len(), &problems[..problems.len().min(5)]);
+    drop_slot(name);
+}
