@@ -198,15 +198,15 @@ fn decode_chunk(decoder: &mut DebeziumDecoder, partition: &Arc<str>, chunk: &Byt
     let mut start = 0;
     while start < chunk.len() {
         let end = memchr::memchr(b'\n', &chunk[start..]).map_or(chunk.len(), |i| start + i + 1);
-        let raw = chunk.slice(start..end);
+        let line_start = start;
         start = end;
-        let text = trim_line(&raw);
+        let text = trim_line(&chunk[line_start..end]);
         if text.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
         let position = Position { partition: partition.clone(), offset: Offset(base + end as u64, 0) };
         let record = decoder.decode(text, position);
-        out.push(SourceItem { record, raw: raw.slice_ref(text) });
+        out.push(SourceItem { record, raw: chunk.slice(line_start..line_start + text.len()) });
     }
     out
 }

@@ -58,7 +58,14 @@ pub struct DebeziumDecoder {
 struct Interner {
     strings: HashMap<Box<str>, Arc<str>>,
     tables: HashMap<(Arc<str>, Arc<str>), TableId>,
+    /// The last table returned: consecutive events of one table skip the hashing.
+    last_table: Option<TableId>,
+    /// The names looked up last.
+    recent: Vec<Arc<str>>,
 }
+
+/// Names kept in [`Interner::recent`].
+const RECENT_NAMES: usize = 4;
 
 /// Distinct names kept by an interner before it starts over (a guard against unbounded growth
 /// from hostile input).
@@ -66,25 +73,50 @@ const INTERNER_CAPACITY: usize = 4096;
 
 impl Interner {
     fn string(&mut self, s: &str) -> Arc<str> {
-        if let Some(a) = self.strings.get(s) {
+        // A few names (connector, database, schema) repeat on every event: a short scan of the
+        // recent ones is cheaper than hashing.
+        if let Some(a) = self.recent.iter().find(|a| ***a == *s) {
             return a.clone();
+        }
+        if let Some(a) = self.strings.get(s) {
+            let a = a.clone();
+            self.remember(&a);
+            return a;
         }
         if self.strings.len() >= INTERNER_CAPACITY {
             self.strings.clear();
             self.tables.clear();
+            self.recent.clear();
+            self.last_table = None;
         }
         let a: Arc<str> = s.into();
         self.strings.insert(s.into(), a.clone());
+        self.remember(&a);
         a
     }
 
+    fn remember(&mut self, a: &Arc<str>) {
+        if self.recent.len() == RECENT_NAMES {
+            self.recent.remove(0);
+        }
+        self.recent.push(a.clone());
+    }
+
     fn table(&mut self, schema: &str, name: &str) -> TableId {
+        if let Some(t) = &self.last_table {
+            if *t.schema == *schema && *t.name == *name {
+                return t.clone();
+            }
+        }
         let key = (self.string(schema), self.string(name));
         if let Some(t) = self.tables.get(&key) {
-            return t.clone();
+            let t = t.clone();
+            self.last_table = Some(t.clone());
+            return t;
         }
         let t = TableId { schema: key.0.clone(), name: key.1.clone() };
         self.tables.insert(key, t.clone());
+        self.last_table = Some(t.clone());
         t
     }
 }
