@@ -227,3 +227,34 @@ fn a_huge_transaction_killed_halfway_resumes_inside_it() {
     assert!(problems.is_empty(), "{} differences: {:?}", problems.len(), &problems[..problems.len().min(5)]);
     drop_slot(name);
 }
+
+#[test]
+fn unchanged_toast_values_are_kept_or_refused_loudly_never_erased() {
+    let name = "pg_toast";
+    fresh_table(name);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let pipeline = pipeline_file(dir.path(), name, &out);
+    catch_up(&pipeline);
+    // 8 KB of random text does not compress: PostgreSQL stores it out of line (TOAST).
+    psql(&format!(
+        "ALTER TABLE {name} ALTER COLUMN note SET STORAGE EXTERNAL;
+         INSERT INTO {name} VALUES (1, 'full', 1, 1.00, (SELECT string_agg(md5(random()::text), '') FROM generate_series(1, 256)));
+         INSERT INTO {name} VALUES (2, 'default', 1, 1.00, (SELECT string_agg(md5(random()::text), '') FROM generate_series(1, 256)));"
+    ));
+    catch_up(&pipeline);
+    // REPLICA IDENTITY FULL: the old row carries the value; the read model keeps the text.
+    psql(&format!("ALTER TABLE {name} REPLICA IDENTITY FULL; UPDATE {name} SET qty = 2 WHERE id = 1;"));
+    catch_up(&pipeline);
+    let doc = &read_output(&out)[&(name.to_owned(), "1".to_owned())];
+    assert_eq!(doc["qty"], 2);
+    assert_eq!(doc["note"].as_str().map(str::len), Some(8192), "the TOASTed text survived the update");
+    // DEFAULT identity: the value is not sent; the update is dead-lettered, the text never erased.
+    psql(&format!("ALTER TABLE {name} REPLICA IDENTITY DEFAULT; UPDATE {name} SET qty = 3 WHERE id = 2;"));
+    catch_up(&pipeline);
+    let doc = &read_output(&out)[&(name.to_owned(), "2".to_owned())];
+    assert_eq!(doc["note"].as_str().map(str::len), Some(8192), "the read model still holds the text");
+    let dead = std::fs::read_to_string(dir.path().join(format!("state/{name}/dead-letters.ndjson"))).unwrap();
+    assert!(dead.contains("unchanged TOASTed value") && dead.contains("REPLICA IDENTITY FULL"), "{dead}");
+    drop_slot(name);
+}

@@ -136,7 +136,8 @@ pub trait Source: Send {
     ) -> Result<(), SourceError>;
 
     /// The next items in source order, `None` once caught up (in [`ReadMode::UntilCaughtUp`]) or
-    /// stopped.
+    /// stopped. Must be cancel-safe: the runtime polls it inside `select!` and drops the future
+    /// when another branch wins, which must lose nothing.
     async fn next_chunk(&mut self) -> Result<Option<Vec<SourceItem>>, SourceError>;
 
     /// Asks the source to stop: items already read are still returned, then `None`.

@@ -24,6 +24,10 @@ use url::Url;
 
 use crate::{Sink, SinkBatch, SinkError, WriteReport};
 
+/// Longest object name: the limit of common local file systems (ext4, xfs), and well within
+/// what S3, GCS and Azure accept.
+const MAX_OBJECT_NAME_BYTES: usize = 255;
+
 /// The object-store JSON sink.
 pub struct ObjectJsonSink {
     name: String,
@@ -40,6 +44,25 @@ impl ObjectJsonSink {
 
     fn object_path(&self, collection: &str, key: &str) -> Path {
         self.root.clone().join(collection).join(format!("{key}.json").as_str())
+    }
+
+    /// A key too long for an object name (most file systems stop at 255 bytes) can never be
+    /// written: a permanent error, not something to retry.
+    fn check_key(&self, key: &str) -> Result<(), SinkError> {
+        let name = format!("{key}.json");
+        let encoded = object_store::path::PathPart::from(name.as_str());
+        if encoded.as_ref().len() > MAX_OBJECT_NAME_BYTES {
+            let shown: String = key.chars().take(60).collect();
+            return Err(SinkError::Permanent {
+                sink: self.name.clone(),
+                message: format!(
+                    "document key `{shown}…` makes an object name longer than {MAX_OBJECT_NAME_BYTES} bytes; \
+                     check the table's key columns"
+                ),
+                source: None,
+            });
+        }
+        Ok(())
     }
 
     fn transient(&self, message: String, e: object_store::Error) -> SinkError {
@@ -153,6 +176,7 @@ impl Sink for ObjectJsonSink {
                 async move {
                     match &body[i] {
                         WriteOp::Upsert { collection, key, doc, .. } => {
+                            this.check_key(key)?;
                             let path = this.object_path(collection, key);
                             let bytes = if pretty { serde_json::to_vec_pretty(&**doc) } else { serde_json::to_vec(&**doc) }
                                 .expect("a JSON map serializes");
@@ -163,6 +187,7 @@ impl Sink for ObjectJsonSink {
                             Ok(true)
                         }
                         WriteOp::Delete { collection, key, .. } => {
+                            this.check_key(key)?;
                             let path = this.object_path(collection, key);
                             match store.delete(&path).await {
                                 Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(false),
@@ -256,6 +281,16 @@ mod tests {
         let again = vec![up("books", "b1", 2), del("books", "b2")];
         sink.write(&SinkBatch { seq: 2, ops: again }).await.unwrap();
         assert_eq!(read(dir.path(), "books", "b1"), Some(json!({"id": "b1", "v": 2})));
+    }
+
+    #[tokio::test]
+    async fn a_key_too_long_for_an_object_name_is_a_permanent_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", dir.path().display());
+        let mut sink = ObjectJsonSink::new("t", ObjectJsonSinkConfig { url, concurrency: 4, pretty: false });
+        sink.open().await.unwrap();
+        let err = sink.write(&SinkBatch { seq: 1, ops: vec![up("books", &"k".repeat(300), 1)] }).await.unwrap_err();
+        assert!(!err.is_retryable() && err.to_string().contains("longer than 255 bytes"), "{err}");
     }
 
     #[tokio::test]

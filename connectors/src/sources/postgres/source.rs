@@ -188,6 +188,7 @@ impl Source for PostgresSource {
 
         let (tx, rx) = mpsc::channel(CHANNEL_CHUNKS);
         let reader = Reader {
+            catalog: client,
             partition: self.partition.clone(),
             db: pg.get_dbname().map(Arc::from),
             relations: HashMap::new(),
@@ -234,6 +235,8 @@ fn parse_lsn(text: &str) -> Result<u64, SourceError> {
 struct RelationInfo {
     table: TableId,
     shape: Relation,
+    /// The document key: the primary key, else the replica-identity columns.
+    key_columns: Vec<String>,
 }
 
 /// The transaction being read.
@@ -246,6 +249,8 @@ struct OpenTx {
 
 /// The task that reads the replication stream.
 struct Reader {
+    /// The control connection, for catalog look-ups (primary keys).
+    catalog: tokio_postgres::Client,
     partition: Arc<str>,
     db: Option<Arc<str>>,
     relations: HashMap<u32, RelationInfo>,
@@ -277,7 +282,9 @@ impl Reader {
         durable: &mut watch::Receiver<Checkpoint>,
         stop: &mut watch::Receiver<bool>,
     ) -> Result<(), SourceError> {
-        let mut in_flight_free = true;
+        // Whether everything handed out is durable, so the slot may follow the server. Not when
+        // resuming inside a transaction: its rest is still to come.
+        let mut in_flight_free = self.skip_through.is_none();
         loop {
             let event = tokio::select! {
                 () = async { let _ = stop.wait_for(|s| *s).await; } => {
@@ -308,7 +315,7 @@ impl Reader {
                     self.tx = Some(tx);
                     in_flight_free = false;
                 }
-                ReplicationEvent::XLogData { data, .. } => self.data(data)?,
+                ReplicationEvent::XLogData { data, .. } => self.data(data).await?,
                 ReplicationEvent::Commit { .. } => {
                     let Some(tx) = self.tx.take() else {
                         return Err(SourceError::Inconsistent("COMMIT without BEGIN in the replication stream".into()));
@@ -364,8 +371,24 @@ impl Reader {
         self.chunk.push(SourceItem { record: Ok(Record::Transaction(boundary)), raw: Bytes::new() });
     }
 
+    /// The primary-key columns of a relation, from the catalog (under REPLICA IDENTITY FULL
+    /// pgoutput marks every column as identity, so the flags do not tell the key).
+    async fn primary_key(&self, relation: u32) -> Result<Vec<String>, SourceError> {
+        let rows = self
+            .catalog
+            .query(
+                "SELECT a.attname::text FROM pg_index i \
+                 JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) \
+                 WHERE i.indrelid = $1 AND i.indisprimary ORDER BY array_position(i.indkey, a.attnum)",
+                &[&relation],
+            )
+            .await
+            .map_err(io(format!("cannot read the primary key of relation {relation}")))?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
     /// Handles one pgoutput data message.
-    fn data(&mut self, data: Bytes) -> Result<(), SourceError> {
+    async fn data(&mut self, data: Bytes) -> Result<(), SourceError> {
         let message = match pgoutput::decode(&data, false) {
             Ok(m) => m,
             Err(e) => {
@@ -377,7 +400,11 @@ impl Reader {
         match message {
             Message::Relation(shape) => {
                 let table = TableId::new(&shape.namespace, &shape.name);
-                self.relations.insert(shape.id, RelationInfo { table, shape });
+                let mut key_columns = self.primary_key(shape.id).await?;
+                if key_columns.is_empty() && shape.replica_identity != b'f' {
+                    key_columns = shape.columns.iter().filter(|c| c.key).map(|c| c.name.clone()).collect();
+                }
+                self.relations.insert(shape.id, RelationInfo { table, shape, key_columns });
             }
             Message::Insert { relation, new } => self.change(relation, Op::Create, None, Some(new), &data),
             Message::Update { relation, old, new } => self.change(relation, Op::Update, old, Some(new), &data),
@@ -435,8 +462,10 @@ impl Reader {
             None => None,
         };
         let key_source = after.as_ref().or(before.as_ref());
+        // Key columns in key order; a table without any key gets none (the projection then
+        // uses its configured key columns, or dead-letters the change).
         let key: Option<Row> = key_source.map(|r| {
-            info.shape.columns.iter().filter(|c| c.key).filter_map(|c| r.get(&c.name).map(|v| (c.name.clone(), v.clone()))).collect()
+            info.key_columns.iter().filter_map(|c| r.get(c).map(|v| (c.clone(), v.clone()))).collect()
         });
         let tx = self.tx.as_ref();
         let event = ChangeEvent {
@@ -461,7 +490,7 @@ impl Reader {
 }
 
 /// Builds a row from a tuple; unchanged TOAST values come from `full_old` when given, and are
-/// left out otherwise (the value was not sent).
+/// an error otherwise (the value was not sent).
 fn row(shape: &Relation, tuple: &Tuple, full_old: Option<&Tuple>) -> Result<Row, String> {
     if tuple.len() != shape.columns.len() {
         return Err(format!("{} values for {} columns", tuple.len(), shape.columns.len()));
@@ -480,7 +509,14 @@ fn row(shape: &Relation, tuple: &Tuple, full_old: Option<&Tuple>) -> Result<Row,
                     let text = std::str::from_utf8(bytes).map_err(|_| format!("column `{}` is not UTF-8", column.name))?;
                     text_to_json(column.type_oid, text).map_err(|e| format!("column `{}`: {e}", column.name))?
                 }
-                _ => continue,
+                // Leaving the column out would erase it from the read model: refuse loudly.
+                _ => {
+                    return Err(format!(
+                        "column `{}` is an unchanged TOASTed value that PostgreSQL did not send; \
+                         set REPLICA IDENTITY FULL on the table (merging with the last known value is not built yet)",
+                        column.name
+                    ));
+                }
             },
         };
         out.insert(column.name.clone(), value);
