@@ -71,8 +71,7 @@ fn bad_input_is_dead_lettered_with_position_and_reason() {
 
     // Everything good, before and after the bad lines, is in the read model.
     let good: Vec<String> = lines.iter().enumerate().filter(|(i, _)| !bad.iter().any(|b| b.0 == *i)).map(|(_, l)| l.clone()).collect();
-    let problems = diff(&expected_state(&good), &read_output(&out));
-    assert!(problems.is_empty(), "{problems:?}");
+    assert_read_model(&expected_state(&good), &out, "good input around the bad lines");
 
     // A rerun reads nothing new; a full replay (state deleted, as after a crash before any
     // checkpoint) finds the entries already recorded and does not write them twice.

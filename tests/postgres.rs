@@ -44,6 +44,17 @@ fn drop_slot(name: &str) {
     ));
 }
 
+/// A fresh table `name`, a pipeline replicating it into `{dir}/out`, and a first run that creates
+/// the slot (changes from then on are streamed). Returns (dir, out, pipeline).
+fn setup(name: &str) -> (tempfile::TempDir, std::path::PathBuf, std::path::PathBuf) {
+    fresh_table(name);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let pipeline = pipeline_file(dir.path(), name, &out);
+    catch_up(&pipeline);
+    (dir, out, pipeline)
+}
+
 fn pipeline_file(dir: &Path, name: &str, out: &Path) -> std::path::PathBuf {
     let text = format!(
         r#"[pipeline]
@@ -93,12 +104,7 @@ fn catch_up(pipeline: &Path) {
 #[test]
 fn replicates_inserts_updates_deletes_and_transactions() {
     let name = "pg_basic";
-    fresh_table(name);
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("out");
-    let pipeline = pipeline_file(dir.path(), name, &out);
-    // The first run creates the slot: changes from then on are streamed.
-    catch_up(&pipeline);
+    let (_dir, out, pipeline) = setup(name);
     psql(&format!(
         "INSERT INTO {name} SELECT g, 'item ' || g, g % 7, g * 1.25, NULL FROM generate_series(1, 500) g;
          UPDATE {name} SET qty = qty + 100, note = 'it''s \"quoted\"' WHERE id % 3 = 0;
@@ -107,8 +113,7 @@ fn replicates_inserts_updates_deletes_and_transactions() {
          BEGIN; DELETE FROM {name} WHERE id = 3; ROLLBACK;"
     ));
     catch_up(&pipeline);
-    let problems = diff(&table_state(name), &read_output(&out));
-    assert!(problems.is_empty(), "{} differences: {:?}", problems.len(), &problems[..problems.len().min(5)]);
+    assert_read_model(&table_state(name), &out, "after catch-up");
     assert_eq!(read_output(&out)[&(name.to_owned(), "1".to_owned())]["price"], "12345678901.99", "numeric keeps every digit");
 
     // The slot is confirmed up to what was made durable, not beyond the server's position.
@@ -120,11 +125,7 @@ fn replicates_inserts_updates_deletes_and_transactions() {
 #[test]
 fn sigkill_under_a_writer_loses_nothing_and_state_loss_resumes_from_the_slot() {
     let name = "pg_crash";
-    fresh_table(name);
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("out");
-    let pipeline = pipeline_file(dir.path(), name, &out);
-    catch_up(&pipeline);
+    let (dir, out, pipeline) = setup(name);
 
     // A writer commits inserts, updates and deletes (one big insert transaction among them).
     let stop = Arc::new(AtomicBool::new(false));
@@ -171,16 +172,14 @@ fn sigkill_under_a_writer_loses_nothing_and_state_loss_resumes_from_the_slot() {
     let rounds = writer.join().unwrap();
     catch_up(&pipeline);
     let expected = table_state(name);
-    let problems = diff(&expected, &read_output(&out));
-    assert!(problems.is_empty(), "{} differences after {kills} kills: {:?}", problems.len(), &problems[..problems.len().min(5)]);
+    assert_read_model(&expected, &out, &format!("after {kills} kills"));
     assert!(expected.len() > 40_000, "the bulk transaction is in ({} rows)", expected.len());
 
     // Restart with the checkpoint store deleted: the slot's confirmed position is the resume point.
     std::fs::remove_dir_all(dir.path().join("state")).unwrap();
     psql(&format!("UPDATE {name} SET name = 'after state loss' WHERE id % 11 = 0; DELETE FROM {name} WHERE id % 13 = 0"));
     catch_up(&pipeline);
-    let problems = diff(&table_state(name), &read_output(&out));
-    assert!(problems.is_empty(), "after deleting the state: {:?}", &problems[..problems.len().min(5)]);
+    assert_read_model(&table_state(name), &out, "after deleting the state");
     eprintln!("{kills} SIGKILLs during {rounds} writer transactions; {} rows equal", expected.len());
     drop_slot(name);
 }
@@ -188,11 +187,7 @@ fn sigkill_under_a_writer_loses_nothing_and_state_loss_resumes_from_the_slot() {
 #[test]
 fn a_huge_transaction_killed_halfway_resumes_inside_it() {
     let name = "pg_bulk";
-    fresh_table(name);
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("out");
-    let pipeline = pipeline_file(dir.path(), name, &out);
-    catch_up(&pipeline);
+    let (_dir, out, pipeline) = setup(name);
     // 200k changes of one transaction share its commit LSN; only the sequence tells them apart.
     // 200k rows here; 100k in CI (CI=true) to keep the suite short.
     let rows = if std::env::var_os("CI").is_some() { 100_000 } else { 200_000 };
@@ -223,19 +218,14 @@ fn a_huge_transaction_killed_halfway_resumes_inside_it() {
     assert!(checkpoint_inside, "no checkpoint inside the transaction was seen");
     eprintln!("{:?} catching up", started.elapsed());
     catch_up(&pipeline);
-    let problems = diff(&table_state(name), &read_output(&out));
-    assert!(problems.is_empty(), "{} differences: {:?}", problems.len(), &problems[..problems.len().min(5)]);
+    assert_read_model(&table_state(name), &out, "after resuming inside the transaction");
     drop_slot(name);
 }
 
 #[test]
 fn unchanged_toast_values_are_kept_or_refused_loudly_never_erased() {
     let name = "pg_toast";
-    fresh_table(name);
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("out");
-    let pipeline = pipeline_file(dir.path(), name, &out);
-    catch_up(&pipeline);
+    let (dir, out, pipeline) = setup(name);
     // 8 KB of random text does not compress: PostgreSQL stores it out of line (TOAST).
     psql(&format!(
         "ALTER TABLE {name} ALTER COLUMN note SET STORAGE EXTERNAL;

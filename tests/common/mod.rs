@@ -256,6 +256,12 @@ impl Drop for Running {
     }
 }
 
+/// Asserts that the documents under `out` are exactly `expected`, naming the first differences.
+pub fn assert_read_model(expected: &BTreeMap<(String, String), Value>, out: &Path, context: &str) {
+    let problems = diff(expected, &read_output(out));
+    assert!(problems.is_empty(), "{context}: {} differences, e.g. {:?}", problems.len(), &problems[..problems.len().min(5)]);
+}
+
 /// Writes lines to a file, each followed by a newline.
 pub fn write_lines(path: &Path, lines: &[String]) {
     let mut text = lines.join("\n");
