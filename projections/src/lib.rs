@@ -42,26 +42,6 @@ pub enum WriteOp {
     },
 }
 
-impl WriteOp {
-    /// The collection the operation touches.
-    pub fn collection(&self) -> &str {
-        match self {
-            WriteOp::Upsert { collection, .. } | WriteOp::Delete { collection, .. } | WriteOp::Truncate { collection, .. } => {
-                collection
-            }
-        }
-    }
-
-    /// A rough size in bytes, for batching by bytes.
-    pub fn approx_bytes(&self) -> usize {
-        match self {
-            WriteOp::Upsert { key, doc, .. } => key.len() + 64 + doc.len() * 32,
-            WriteOp::Delete { key, .. } => key.len() + 32,
-            WriteOp::Truncate { .. } => 32,
-        }
-    }
-}
-
 /// Why a projection could not handle an event; the runtime dead-letters the event or stops.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProjectionError {

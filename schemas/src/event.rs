@@ -186,13 +186,6 @@ pub struct ChangeEvent {
     pub position: Position,
 }
 
-impl ChangeEvent {
-    /// The row image that identifies the row: `after` when present, else `before`.
-    pub fn current_image(&self) -> Option<&Row> {
-        self.after.as_deref().or(self.before.as_deref())
-    }
-}
-
 /// BEGIN or END of a source transaction (Debezium's transaction metadata).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum TxStatus {

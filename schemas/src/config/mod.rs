@@ -283,16 +283,6 @@ pub enum SinkConfig {
     Null(NullSinkConfig),
 }
 
-impl SinkConfig {
-    /// The `kind` tag as written in pipeline files.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            SinkConfig::ObjectJson(_) => "object_json",
-            SinkConfig::Null(_) => "null",
-        }
-    }
-}
-
 /// `kind = "object_json"`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
