@@ -10,7 +10,10 @@ use serde_json::json;
 
 fn main() {
     let mut args = std::env::args().skip(1);
-    let n: u64 = args.next().and_then(|a| a.parse().ok()).expect("usage: gen-envelopes N OUTPUT");
+    let n: u64 = args
+        .next()
+        .and_then(|a| a.parse().ok())
+        .expect("usage: gen-envelopes N OUTPUT");
     let path = args.next().expect("usage: gen-envelopes N OUTPUT");
     let mut out = BufWriter::new(std::fs::File::create(&path).expect("output file"));
     let mut state = 0x2545_F491_4F6C_DD1Du64;

@@ -29,8 +29,18 @@ url = "https://svc:${HTTP_PASSWORD:-x}@objects.example/bucket"
 fn validate(dir: &Path, text: &str) -> (Option<i32>, String, String) {
     let path = dir.join("p.toml");
     std::fs::write(&path, text).unwrap();
-    let out = output(refract().arg("validate").arg(&path).env_remove("API_TOKEN").env_remove("CHANGE_LOG"));
-    (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    let out = output(
+        refract()
+            .arg("validate")
+            .arg(&path)
+            .env_remove("API_TOKEN")
+            .env_remove("CHANGE_LOG"),
+    );
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[test]
@@ -39,9 +49,27 @@ fn config_errors_name_file_line_and_field_path() {
     let file = dir.path().join("p.toml").display().to_string();
     // (edit, expected "file:line:col: `path`: words")
     let cases = [
-        ("kind = \"object_json\"\n", "kind = \"object_json\"\nconcurency = 8\n", 15, "sinks.docs.concurency", "unknown field `concurency`"),
-        ("name = \"cli\"", "name = [\"cli\"]", 2, "pipeline.name", "invalid type: sequence, expected a string"),
-        ("${API_TOKEN:-none}", "${CHANGE_LOG}", 7, "source.path", "environment variable `CHANGE_LOG` is not set"),
+        (
+            "kind = \"object_json\"\n",
+            "kind = \"object_json\"\nconcurency = 8\n",
+            15,
+            "sinks.docs.concurency",
+            "unknown field `concurency`",
+        ),
+        (
+            "name = \"cli\"",
+            "name = [\"cli\"]",
+            2,
+            "pipeline.name",
+            "invalid type: sequence, expected a string",
+        ),
+        (
+            "${API_TOKEN:-none}",
+            "${CHANGE_LOG}",
+            7,
+            "source.path",
+            "environment variable `CHANGE_LOG` is not set",
+        ),
     ];
     for (from, to, line, path, words) in cases {
         let (code, _, stderr) = validate(dir.path(), &GOOD.replacen(from, to, 1));
@@ -49,7 +77,10 @@ fn config_errors_name_file_line_and_field_path() {
         assert_eq!(stderr.lines().count(), 1, "one clear error: {stderr}");
         let prefix = format!("{file}:{line}:");
         assert!(stderr.starts_with(&prefix), "want {prefix} in {stderr}");
-        assert!(stderr.contains(&format!("`{path}`: ")) && stderr.contains(words), "{stderr}");
+        assert!(
+            stderr.contains(&format!("`{path}`: ")) && stderr.contains(words),
+            "{stderr}"
+        );
     }
     let (code, stdout, stderr) = validate(dir.path(), GOOD);
     assert_eq!(code, Some(0), "{stderr}");
@@ -63,7 +94,10 @@ fn plan_masks_url_passwords_that_are_not_from_the_environment() {
     std::fs::write(&path, GOOD.replace("${HTTP_PASSWORD:-x}", "literal-secret")).unwrap();
     let out = output(refract().arg("plan").arg(&path));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("https://svc:***@objects.example/bucket"), "{stdout}");
+    assert!(
+        stdout.contains("https://svc:***@objects.example/bucket"),
+        "{stdout}"
+    );
     assert!(!stdout.contains("literal-secret"), "{stdout}");
 }
 
@@ -74,15 +108,31 @@ fn plan_never_prints_a_secret() {
     std::fs::write(&path, GOOD).unwrap();
     let secret_token = "tok-9f8e7d6c";
     let secret_password = "pa\"ss'w0rd]";
-    let out = output(refract().arg("plan").arg(&path).env("API_TOKEN", secret_token).env("HTTP_PASSWORD", secret_password));
+    let out = output(
+        refract()
+            .arg("plan")
+            .arg(&path)
+            .env("API_TOKEN", secret_token)
+            .env("HTTP_PASSWORD", secret_password),
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    assert_eq!(stdout.matches("*** (secret)").count(), 2, "the token path and the password URL are masked: {stdout}");
+    assert_eq!(
+        stdout.matches("*** (secret)").count(),
+        2,
+        "the token path and the password URL are masked: {stdout}"
+    );
     for secret in [secret_token, secret_password, "w0rd"] {
-        assert!(!stdout.contains(secret) && !stderr.contains(secret), "{secret} leaked: {stdout}{stderr}");
+        assert!(
+            !stdout.contains(secret) && !stderr.contains(secret),
+            "{secret} leaked: {stdout}{stderr}"
+        );
     }
-    assert!(stdout.contains("API_TOKEN") && stdout.contains("HTTP_PASSWORD"), "variable names are shown: {stdout}");
+    assert!(
+        stdout.contains("API_TOKEN") && stdout.contains("HTTP_PASSWORD"),
+        "variable names are shown: {stdout}"
+    );
 }
 
 #[test]
@@ -94,14 +144,24 @@ fn every_shipped_pipeline_validates() {
         .collect();
     shipped.sort();
     assert!(!shipped.is_empty());
-    let out = output(refract().arg("validate").args(&shipped).current_dir(WORKSPACE));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = output(
+        refract()
+            .arg("validate")
+            .args(&shipped)
+            .current_dir(WORKSPACE),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
 fn the_committed_json_schema_matches_the_binary() {
     let out = output(refract().arg("config-schema"));
-    let committed = std::fs::read_to_string(Path::new(WORKSPACE).join("schemas/pipeline.schema.json")).unwrap();
+    let committed =
+        std::fs::read_to_string(Path::new(WORKSPACE).join("schemas/pipeline.schema.json")).unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), committed);
 }
 
@@ -118,17 +178,36 @@ fn the_demo_runs_to_completion_without_services() {
             .env("OBJECT_STORE_URL", format!("file://{}", out_dir.display())),
     );
     let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
     assert!(stdout.contains("dead letters   0"), "{stdout}");
     assert!(stdout.contains("records read   4255"), "{stdout}");
     let docs = read_output(&out_dir);
     let count = |c: &str| docs.keys().filter(|(coll, _)| coll == c).count();
     assert_eq!(count("authors"), 40);
-    for c in ["books", "book_authors", "products", "customer_orders", "device_heartbeats", "orders"] {
+    for c in [
+        "books",
+        "book_authors",
+        "products",
+        "customer_orders",
+        "device_heartbeats",
+        "orders",
+    ] {
         assert!(count(c) > 0, "no {c} documents");
     }
     // The wrapped `orders` events had their logical types converted.
     let order = docs.iter().find(|((c, _), _)| c == "orders").unwrap().1;
-    assert!(order["total_amount"].as_str().is_some_and(|s| s.contains('.')), "{order}");
-    assert!(order["created_at"].as_str().is_some_and(|s| s.len() == 26), "{order}");
+    assert!(
+        order["total_amount"]
+            .as_str()
+            .is_some_and(|s| s.contains('.')),
+        "{order}"
+    );
+    assert!(
+        order["created_at"].as_str().is_some_and(|s| s.len() == 26),
+        "{order}"
+    );
 }

@@ -37,7 +37,13 @@ fn sigkill_at_random_moments_loses_nothing() {
         file.write_all(&text.as_bytes()[..cut]).unwrap();
         file.flush().unwrap();
 
-        let mut daemon = Running::spawn(refract().arg("run").arg(&pipeline).stdout(Stdio::null()).stderr(Stdio::piped()));
+        let mut daemon = Running::spawn(
+            refract()
+                .arg("run")
+                .arg(&pipeline)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped()),
+        );
         let child = daemon.child();
         std::thread::sleep(Duration::from_millis(20 + rng.below(400)));
         file.write_all(&text.as_bytes()[cut..]).unwrap();
@@ -60,11 +66,23 @@ fn sigkill_at_random_moments_loses_nothing() {
 
     // Catch up once more, then compare with the expected state.
     let done = output(refract().arg("run").arg(&pipeline).arg("--until-caught-up"));
-    assert!(done.status.success(), "final run failed: {}", String::from_utf8_lossy(&done.stderr));
+    assert!(
+        done.status.success(),
+        "final run failed: {}",
+        String::from_utf8_lossy(&done.stderr)
+    );
     let expected = expected_state(&lines);
     assert_read_model(&expected, &out, &format!("after {kills} kills"));
-    assert!(expected.len() > 1000, "the check covers a real read model ({} docs)", expected.len());
-    eprintln!("{kills} SIGKILLs, {} events, {} documents equal to the expected state", lines.len(), expected.len());
+    assert!(
+        expected.len() > 1000,
+        "the check covers a real read model ({} docs)",
+        expected.len()
+    );
+    eprintln!(
+        "{kills} SIGKILLs, {} events, {} documents equal to the expected state",
+        lines.len(),
+        expected.len()
+    );
 }
 
 #[test]
@@ -77,24 +95,46 @@ fn sigterm_drains_checkpoints_and_exits_zero() {
     let pipeline = pipeline(dir.path(), &log, &out, "");
     let summary = dir.path().join("summary.json");
 
-    let mut daemon = Running::spawn(refract().arg("run").arg(&pipeline).arg("--summary-json").arg(&summary).stdout(Stdio::piped()));
+    let mut daemon = Running::spawn(
+        refract()
+            .arg("run")
+            .arg(&pipeline)
+            .arg("--summary-json")
+            .arg(&summary)
+            .stdout(Stdio::piped()),
+    );
     // Wait (bounded) until the daemon has caught up and is idle, following the file.
     let expected = expected_state(&lines);
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while !diff(&expected, &read_output_live(&out)).is_empty() {
-        assert!(std::time::Instant::now() < deadline, "the daemon did not catch up within 60 s");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the daemon did not catch up within 60 s"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     std::thread::sleep(Duration::from_millis(300));
     daemon.terminate();
     let result = daemon.wait_with_output();
-    assert!(result.status.success(), "SIGTERM must exit 0, got {}", result.status);
-    let summary: serde_json::Value = serde_json::from_slice(&std::fs::read(&summary).unwrap()).unwrap();
+    assert!(
+        result.status.success(),
+        "SIGTERM must exit 0, got {}",
+        result.status
+    );
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&summary).unwrap()).unwrap();
     assert_eq!(summary["stopped_by_signal"], true);
     // Drained: everything read was acknowledged, so the checkpoint is at the end of the log
     // (the daemon had caught up and was waiting for more).
     let log_len = std::fs::metadata(&log).unwrap().len();
-    let checkpoint = summary["checkpoint"].as_object().unwrap().values().next().unwrap()[0].as_u64().unwrap();
+    let checkpoint = summary["checkpoint"]
+        .as_object()
+        .unwrap()
+        .values()
+        .next()
+        .unwrap()[0]
+        .as_u64()
+        .unwrap();
     assert_eq!(checkpoint, log_len);
     assert!(diff(&expected, &read_output(&out)).is_empty());
 }
@@ -111,17 +151,33 @@ fn a_sink_that_is_down_holds_the_checkpoint_and_loses_nothing() {
     std::fs::create_dir_all(&out).unwrap();
     std::fs::write(out.join("items"), b"not a directory").unwrap();
     let first_item_end: u64 = {
-        let i = lines.iter().position(|l| l.contains(r#""table":"items""#)).unwrap();
+        let i = lines
+            .iter()
+            .position(|l| l.contains(r#""table":"items""#))
+            .unwrap();
         lines[..=i].iter().map(|l| l.len() as u64 + 1).sum()
     };
 
-    let mut daemon = Running::spawn(refract().env("RUST_LOG", "warn").arg("run").arg(&pipeline).stdout(Stdio::null()).stderr(Stdio::piped()));
+    let mut daemon = Running::spawn(
+        refract()
+            .env("RUST_LOG", "warn")
+            .arg("run")
+            .arg(&pipeline)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    );
     std::thread::sleep(Duration::from_millis(2500));
     daemon.terminate();
     let result = daemon.wait_with_output();
     let stderr = String::from_utf8_lossy(&result.stderr);
-    assert!(stderr.contains("failed, retrying"), "the sink is retried while down: {stderr}");
-    assert!(!result.status.success(), "stopping with undelivered changes is reported: {stderr}");
+    assert!(
+        stderr.contains("failed, retrying"),
+        "the sink is retried while down: {stderr}"
+    );
+    assert!(
+        !result.status.success(),
+        "stopping with undelivered changes is reported: {stderr}"
+    );
     assert!(stderr.contains("undelivered changes"), "{stderr}");
 
     // The checkpoint did not pass the first change the sink could not write.
@@ -129,13 +185,24 @@ fn a_sink_that_is_down_holds_the_checkpoint_and_loses_nothing() {
     let plan = String::from_utf8_lossy(&plan.stdout);
     let line = plan.lines().find(|l| l.contains("checkpoint:")).unwrap();
     if let Some(at) = line.split('@').nth(1) {
-        let offset: u64 = at.trim_end_matches("))").trim_end_matches(')').parse().unwrap();
-        assert!(offset < first_item_end, "checkpoint {offset} passed the first undelivered change at {first_item_end}: {line}");
+        let offset: u64 = at
+            .trim_end_matches("))")
+            .trim_end_matches(')')
+            .parse()
+            .unwrap();
+        assert!(
+            offset < first_item_end,
+            "checkpoint {offset} passed the first undelivered change at {first_item_end}: {line}"
+        );
     }
 
     // The sink comes back: everything arrives.
     std::fs::remove_file(out.join("items")).unwrap();
     let done = output(refract().arg("run").arg(&pipeline).arg("--until-caught-up"));
-    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    assert!(
+        done.status.success(),
+        "{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
     assert_read_model(&expected_state(&lines), &out, "after the sink came back");
 }

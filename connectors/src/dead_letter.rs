@@ -76,10 +76,16 @@ struct EntryPosition {
 fn encode(letter: &DeadLetter, now_ms: i64) -> Vec<u8> {
     let (raw, raw_base64) = match std::str::from_utf8(&letter.raw) {
         Ok(s) => (Some(s.to_owned()), None),
-        Err(_) => (None, Some(base64::engine::general_purpose::STANDARD.encode(&letter.raw))),
+        Err(_) => (
+            None,
+            Some(base64::engine::general_purpose::STANDARD.encode(&letter.raw)),
+        ),
     };
     let entry = Entry {
-        position: EntryPosition { partition: letter.position.partition.to_string(), offset: (letter.position.offset.0, letter.position.offset.1) },
+        position: EntryPosition {
+            partition: letter.position.partition.to_string(),
+            offset: (letter.position.offset.0, letter.position.offset.1),
+        },
         stage: letter.stage,
         reason: letter.reason.clone(),
         table: letter.table.clone(),
@@ -115,7 +121,11 @@ pub enum DeadLetterStore {
 }
 
 fn failed(message: String, e: impl std::error::Error + Send + Sync + 'static) -> SinkError {
-    SinkError::Transient { sink: "dead_letter".into(), message, source: Some(Box::new(e)) }
+    SinkError::Transient {
+        sink: "dead_letter".into(),
+        message,
+        source: Some(Box::new(e)),
+    }
 }
 
 impl DeadLetterStore {
@@ -123,48 +133,72 @@ impl DeadLetterStore {
     /// positions past `checkpoint` it already holds.
     pub fn open_file(path: PathBuf, checkpoint: &Checkpoint) -> Result<Self, SinkError> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| failed(format!("cannot create {}", dir.display()), e))?;
+            std::fs::create_dir_all(dir)
+                .map_err(|e| failed(format!("cannot create {}", dir.display()), e))?;
         }
         let mut file = OpenOptions::new()
             .read(true)
             .append(true)
             .create(true)
             .open(&path)
-            .map_err(|e| failed(format!("cannot open dead-letter file {}", path.display()), e))?;
+            .map_err(|e| {
+                failed(
+                    format!("cannot open dead-letter file {}", path.display()),
+                    e,
+                )
+            })?;
         let mut recorded = HashSet::new();
         let mut good_len = 0u64;
         let mut reader = BufReader::new(&file);
         let mut line = Vec::new();
         loop {
             line.clear();
-            let n = reader.read_until(b'\n', &mut line).map_err(|e| failed("cannot read the dead-letter file".into(), e))?;
+            let n = reader
+                .read_until(b'\n', &mut line)
+                .map_err(|e| failed("cannot read the dead-letter file".into(), e))?;
             if n == 0 || line.last() != Some(&b'\n') {
                 break;
             }
             good_len += n as u64;
             if let Ok(entry) = serde_json::from_slice::<Entry>(&line) {
                 let acknowledged = checkpoint.get(&entry.position.partition).map_or(0, |o| o.0);
-                if Offset(entry.position.offset.0, entry.position.offset.1) > Offset(acknowledged, u64::MAX) {
+                if Offset(entry.position.offset.0, entry.position.offset.1)
+                    > Offset(acknowledged, u64::MAX)
+                {
                     recorded.insert((entry.position.partition, entry.position.offset));
                 }
             }
         }
-        let len = file.seek(SeekFrom::End(0)).map_err(|e| failed("cannot seek the dead-letter file".into(), e))?;
+        let len = file
+            .seek(SeekFrom::End(0))
+            .map_err(|e| failed("cannot seek the dead-letter file".into(), e))?;
         if len > good_len {
             tracing::warn!(path = %path.display(), bytes = len - good_len, "cutting a torn last dead-letter line");
-            file.set_len(good_len).map_err(|e| failed("cannot repair the dead-letter file".into(), e))?;
+            file.set_len(good_len)
+                .map_err(|e| failed("cannot repair the dead-letter file".into(), e))?;
         }
-        Ok(DeadLetterStore::File { path, file, recorded })
+        Ok(DeadLetterStore::File {
+            path,
+            file,
+            recorded,
+        })
     }
 
     /// Opens an object-store prefix.
     pub fn open_url(url: &str) -> Result<Self, SinkError> {
         let (store, root) = open_store(url).map_err(|message| SinkError::Permanent {
             sink: "dead_letter".into(),
-            message: format!("cannot open `{}`: {message}", refract_schemas::config::mask_url(url)),
+            message: format!(
+                "cannot open `{}`: {message}",
+                refract_schemas::config::mask_url(url)
+            ),
             source: None,
         })?;
-        Ok(DeadLetterStore::Object { url: url.to_owned(), store, root })
+        Ok(DeadLetterStore::Object {
+            url: url.to_owned(),
+            store,
+            root,
+        })
     }
 
     /// Where entries go, for summaries and logs.
@@ -181,12 +215,19 @@ impl DeadLetterStore {
             return Ok(());
         }
         match self {
-            DeadLetterStore::File { path, file, recorded } => {
+            DeadLetterStore::File {
+                path,
+                file,
+                recorded,
+            } => {
                 // Entries recorded before a crash are skipped once; the runtime never hands the
                 // same letter twice within a run, so the set only shrinks.
                 let mut buf = Vec::new();
                 for letter in letters {
-                    let key = (letter.position.partition.to_string(), (letter.position.offset.0, letter.position.offset.1));
+                    let key = (
+                        letter.position.partition.to_string(),
+                        (letter.position.offset.0, letter.position.offset.1),
+                    );
                     if !recorded.remove(&key) {
                         buf.extend(encode(letter, now_ms));
                     }
@@ -194,7 +235,10 @@ impl DeadLetterStore {
                 if buf.is_empty() {
                     return Ok(());
                 }
-                let before = file.metadata().map_err(|e| failed(format!("cannot stat {}", path.display()), e))?.len();
+                let before = file
+                    .metadata()
+                    .map_err(|e| failed(format!("cannot stat {}", path.display()), e))?
+                    .len();
                 let appended = file.write_all(&buf).and_then(|()| file.sync_data());
                 if let Err(e) = appended {
                     // Undo a partial append so that the retry does not record entries twice.
@@ -206,12 +250,24 @@ impl DeadLetterStore {
             DeadLetterStore::Object { store, root, .. } => {
                 let first = &letters[0].position;
                 let last = &letters[letters.len() - 1].position;
-                let partition: String =
-                    first.partition.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+                let partition: String = first
+                    .partition
+                    .chars()
+                    .map(|c| {
+                        if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                            c
+                        } else {
+                            '_'
+                        }
+                    })
+                    .collect();
                 let name = format!("{}-{}.ndjson", first.offset, last.offset);
                 let path = root.clone().join(partition.as_str()).join(name.as_str());
                 let body: Vec<u8> = letters.iter().flat_map(|l| encode(l, now_ms)).collect();
-                store.put(&path, PutPayload::from(body)).await.map_err(|e| failed(format!("cannot write {path}"), e))?;
+                store
+                    .put(&path, PutPayload::from(body))
+                    .await
+                    .map_err(|e| failed(format!("cannot write {path}"), e))?;
                 Ok(())
             }
         }
@@ -224,7 +280,10 @@ mod tests {
 
     fn letter(offset: u64) -> DeadLetter {
         DeadLetter {
-            position: Position { partition: "file:x".into(), offset: Offset(offset, 0) },
+            position: Position {
+                partition: "file:x".into(),
+                offset: Offset(offset, 0),
+            },
             stage: Stage::Decode,
             reason: "invalid JSON".into(),
             table: None,
@@ -235,7 +294,8 @@ mod tests {
     #[tokio::test]
     async fn an_object_store_prefix_gets_one_object_per_batch() {
         let dir = tempfile::tempdir().unwrap();
-        let mut store = DeadLetterStore::open_url(&format!("file://{}", dir.path().display())).unwrap();
+        let mut store =
+            DeadLetterStore::open_url(&format!("file://{}", dir.path().display())).unwrap();
         store.write(&[letter(10), letter(20)], 1).await.unwrap();
         let object = dir.path().join("file_x/10-20.ndjson");
         let got = lines(&object);
@@ -244,7 +304,11 @@ mod tests {
     }
 
     fn lines(path: &std::path::Path) -> Vec<serde_json::Value> {
-        std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+        std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
     }
 
     #[tokio::test]
@@ -264,7 +328,10 @@ mod tests {
         let mut store = DeadLetterStore::open_file(path.clone(), &checkpoint).unwrap();
         store.write(&[letter(20), letter(30)], 2).await.unwrap();
         let got = lines(&path);
-        let offsets: Vec<u64> = got.iter().map(|l| l["position"]["offset"][0].as_u64().unwrap()).collect();
+        let offsets: Vec<u64> = got
+            .iter()
+            .map(|l| l["position"]["offset"][0].as_u64().unwrap())
+            .collect();
         assert_eq!(offsets, vec![10, 20, 30]);
         assert_eq!(got[0]["raw"], "{oops");
         assert_eq!(got[0]["reason"], "invalid JSON");

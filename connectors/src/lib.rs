@@ -8,7 +8,6 @@ pub mod registry;
 pub mod sinks;
 pub mod sources;
 
-
 use async_trait::async_trait;
 use refract_projections::WriteOp;
 use refract_schemas::debezium::DecodeError;
@@ -166,4 +165,3 @@ pub enum SourceError {
     #[error("source: {0}")]
     Inconsistent(String),
 }
-

@@ -41,13 +41,22 @@ impl CheckpointStore {
     pub fn open(path: &Path) -> Result<Self, CheckpointError> {
         let db = Database::create(path).map_err(|e| match e {
             redb::DatabaseError::DatabaseAlreadyOpen => CheckpointError::InUse(path.to_owned()),
-            other => CheckpointError::Store { path: path.to_owned(), source: other.into() },
+            other => CheckpointError::Store {
+                path: path.to_owned(),
+                source: other.into(),
+            },
         })?;
-        Ok(Self { db, path: path.to_owned() })
+        Ok(Self {
+            db,
+            path: path.to_owned(),
+        })
     }
 
     fn fail(&self, e: impl Into<redb::Error>) -> CheckpointError {
-        CheckpointError::Store { path: self.path.clone(), source: e.into() }
+        CheckpointError::Store {
+            path: self.path.clone(),
+            source: e.into(),
+        }
     }
 
     /// The last committed checkpoint (empty for a new pipeline).
@@ -73,7 +82,9 @@ impl CheckpointStore {
         {
             let mut table = txn.open_table(CHECKPOINTS).map_err(|e| self.fail(e))?;
             for (partition, offset) in checkpoint {
-                table.insert(partition.as_str(), (offset.0, offset.1)).map_err(|e| self.fail(e))?;
+                table
+                    .insert(partition.as_str(), (offset.0, offset.1))
+                    .map_err(|e| self.fail(e))?;
             }
         }
         txn.commit().map_err(|e| self.fail(e))
@@ -90,9 +101,15 @@ mod tests {
         let path = dir.path().join("checkpoint.redb");
         let store = CheckpointStore::open(&path).unwrap();
         assert!(store.load().unwrap().is_empty());
-        let cp = Checkpoint::from([("file:a".to_string(), Offset(42, 0)), ("slot".to_string(), Offset(7, 3))]);
+        let cp = Checkpoint::from([
+            ("file:a".to_string(), Offset(42, 0)),
+            ("slot".to_string(), Offset(7, 3)),
+        ]);
         store.commit(&cp).unwrap();
-        assert!(matches!(CheckpointStore::open(&path), Err(CheckpointError::InUse(_))));
+        assert!(matches!(
+            CheckpointStore::open(&path),
+            Err(CheckpointError::InUse(_))
+        ));
         drop(store);
         assert_eq!(CheckpointStore::open(&path).unwrap().load().unwrap(), cp);
     }

@@ -82,7 +82,11 @@ fn main() -> ExitCode {
                     }
                 }
             }
-            if failed { ExitCode::from(2) } else { ExitCode::SUCCESS }
+            if failed {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            }
         }
         Command::Plan { pipeline } => match config::load(&pipeline) {
             Ok(loaded) => {
@@ -98,7 +102,11 @@ fn main() -> ExitCode {
             print!("{}", config::json_schema());
             ExitCode::SUCCESS
         }
-        Command::Run { pipeline, until_caught_up, summary_json } => {
+        Command::Run {
+            pipeline,
+            until_caught_up,
+            summary_json,
+        } => {
             let loaded = match config::load(&pipeline) {
                 Ok(l) => l,
                 Err(errors) => {
@@ -106,8 +114,15 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            let mode = if until_caught_up { ReadMode::UntilCaughtUp } else { ReadMode::Follow };
-            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("a tokio runtime");
+            let mode = if until_caught_up {
+                ReadMode::UntilCaughtUp
+            } else {
+                ReadMode::Follow
+            };
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .expect("a tokio runtime");
             rt.block_on(run(loaded, mode, summary_json))
         }
     }
@@ -117,14 +132,19 @@ async fn run(loaded: LoadedPipeline, mode: ReadMode, summary_json: Option<PathBu
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
+        let (Ok(mut int), Ok(mut term)) = (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) else {
             tracing::error!("cannot install signal handlers");
             return;
         };
         tokio::select! { _ = int.recv() => {}, _ = term.recv() => {} }
         let _ = stop_tx.send(true);
         tokio::select! { _ = int.recv() => {}, _ = term.recv() => {} }
-        eprintln!("second signal: exiting without draining (the checkpoint is safe; undelivered changes replay on restart)");
+        eprintln!(
+            "second signal: exiting without draining (the checkpoint is safe; undelivered changes replay on restart)"
+        );
         std::process::exit(130);
     });
     match runtime::run(&loaded, RunOptions { mode }, stop_rx).await {
@@ -150,8 +170,11 @@ async fn run(loaded: LoadedPipeline, mode: ReadMode, summary_json: Option<PathBu
 }
 
 fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),

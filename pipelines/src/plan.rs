@@ -2,7 +2,9 @@
 
 use std::fmt::Write as _;
 
-use refract_schemas::config::{LoadedPipeline, OnError, ProjectionConfig, SinkConfig, SourceConfig, mask_url};
+use refract_schemas::config::{
+    LoadedPipeline, OnError, ProjectionConfig, SinkConfig, SourceConfig, mask_url,
+};
 
 use crate::checkpoint::{CheckpointError, CheckpointStore};
 use crate::runtime::{default_dead_letter_path, state_path};
@@ -11,23 +13,40 @@ use crate::runtime::{default_dead_letter_path, state_path};
 pub fn render(loaded: &LoadedPipeline) -> String {
     let c = &loaded.config;
     let show = |path: &str, value: &str| -> String {
-        if loaded.secret_paths.contains(path) { "*** (secret)".to_owned() } else { mask_url(value) }
+        if loaded.secret_paths.contains(path) {
+            "*** (secret)".to_owned()
+        } else {
+            mask_url(value)
+        }
     };
     let mut out = String::new();
     let state = state_path(c);
-    let _ = writeln!(out, "pipeline `{}` ({})", c.pipeline.name, loaded.file.display());
+    let _ = writeln!(
+        out,
+        "pipeline `{}` ({})",
+        c.pipeline.name,
+        loaded.file.display()
+    );
     let db = state.join("checkpoint.redb");
     let checkpoint = if !db.exists() {
         "none yet (starts at the beginning)".to_owned()
     } else {
         match CheckpointStore::open(&db).and_then(|store| store.load()) {
             Ok(cp) if cp.is_empty() => "none yet (starts at the beginning)".to_owned(),
-            Ok(cp) => cp.iter().map(|(p, o)| format!("{p}@{o}")).collect::<Vec<_>>().join(", "),
+            Ok(cp) => cp
+                .iter()
+                .map(|(p, o)| format!("{p}@{o}"))
+                .collect::<Vec<_>>()
+                .join(", "),
             Err(CheckpointError::InUse(_)) => "held by a running refract process".to_owned(),
             Err(e) => format!("unreadable: {e}"),
         }
     };
-    let _ = writeln!(out, "  state       {} (checkpoint: {checkpoint})", state.display());
+    let _ = writeln!(
+        out,
+        "  state       {} (checkpoint: {checkpoint})",
+        state.display()
+    );
     let dead_letters = match (&c.pipeline.dead_letter.url, &c.pipeline.dead_letter.path) {
         (Some(url), _) => show("pipeline.dead_letter.url", url),
         (None, Some(path)) => show("pipeline.dead_letter.path", path),
@@ -49,8 +68,15 @@ pub fn render(loaded: &LoadedPipeline) -> String {
     );
     match &c.source {
         SourceConfig::File(f) => {
-            let size = std::fs::metadata(&f.path).map_or_else(|e| format!("not readable now: {e}"), |m| format!("{} bytes", m.len()));
-            let _ = writeln!(out, "reads  file {} ({size}), Debezium JSON envelopes, one per line", show("source.path", &f.path));
+            let size = std::fs::metadata(&f.path).map_or_else(
+                |e| format!("not readable now: {e}"),
+                |m| format!("{} bytes", m.len()),
+            );
+            let _ = writeln!(
+                out,
+                "reads  file {} ({size}), Debezium JSON envelopes, one per line",
+                show("source.path", &f.path)
+            );
         }
         SourceConfig::Postgres(pg) => {
             let _ = writeln!(
@@ -59,7 +85,11 @@ pub fn render(loaded: &LoadedPipeline) -> String {
                 show("source.url", &pg.url),
                 pg.slot_name(&c.pipeline.name),
                 pg.publication_name(&c.pipeline.name),
-                if pg.tables.is_empty() { "all tables".to_owned() } else { pg.tables.join(", ") },
+                if pg.tables.is_empty() {
+                    "all tables".to_owned()
+                } else {
+                    pg.tables.join(", ")
+                },
                 pg.create
             );
         }
@@ -67,7 +97,11 @@ pub fn render(loaded: &LoadedPipeline) -> String {
     for (name, p) in &c.projections {
         match p {
             ProjectionConfig::Replica(r) => {
-                let tables = if r.tables.is_empty() { "every table".to_owned() } else { r.tables.join(", ") };
+                let tables = if r.tables.is_empty() {
+                    "every table".to_owned()
+                } else {
+                    r.tables.join(", ")
+                };
                 let mut keys = format!("key {}", r.default_key.join(", "));
                 for (t, cols) in &r.key_columns {
                     let _ = write!(keys, "; {t}: {}", cols.join(", "));
@@ -97,8 +131,17 @@ pub fn render(loaded: &LoadedPipeline) -> String {
         }
     }
     if !loaded.from_env.is_empty() {
-        let vars: std::collections::BTreeSet<&str> = loaded.from_env.values().flatten().map(String::as_str).collect();
-        let _ = writeln!(out, "environment  {}", vars.into_iter().collect::<Vec<_>>().join(", "));
+        let vars: std::collections::BTreeSet<&str> = loaded
+            .from_env
+            .values()
+            .flatten()
+            .map(String::as_str)
+            .collect();
+        let _ = writeln!(
+            out,
+            "environment  {}",
+            vars.into_iter().collect::<Vec<_>>().join(", ")
+        );
     }
     out
 }

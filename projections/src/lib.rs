@@ -65,7 +65,12 @@ pub trait Projection: Send {
 
     /// Appends the write operations `event` implies to `out`. `now_ms` is the wall-clock time the
     /// runtime handed in (milliseconds since the epoch), for time-based projections.
-    fn project(&mut self, event: &ChangeEvent, now_ms: i64, out: &mut Vec<WriteOp>) -> Result<(), ProjectionError>;
+    fn project(
+        &mut self,
+        event: &ChangeEvent,
+        now_ms: i64,
+        out: &mut Vec<WriteOp>,
+    ) -> Result<(), ProjectionError>;
 }
 
 /// The one place that turns projection configuration into projections: every kind is in this

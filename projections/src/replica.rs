@@ -32,12 +32,18 @@ struct TableRule {
 impl ReplicaProjection {
     /// Builds the projection from its configuration.
     pub fn new(config: ReplicaProjectionConfig) -> Self {
-        Self { config, tables: HashMap::new(), last: None }
+        Self {
+            config,
+            tables: HashMap::new(),
+            last: None,
+        }
     }
 
     fn rule(&mut self, table: &TableId) -> Arc<TableRule> {
         if let Some((t, rule)) = &self.last {
-            if Arc::ptr_eq(&t.name, &table.name) && Arc::ptr_eq(&t.schema, &table.schema) || t == table {
+            if Arc::ptr_eq(&t.name, &table.name) && Arc::ptr_eq(&t.schema, &table.schema)
+                || t == table
+            {
                 return rule.clone();
             }
         }
@@ -52,8 +58,15 @@ impl ReplicaProjection {
                     .find(|(pattern, _)| table.matches(pattern))
                     .map_or(&config.default_key, |(_, cols)| cols)
                     .clone();
-                let collection = config.collection.replace("{table}", &table.name).replace("{schema}", &table.schema).into();
-                Arc::new(TableRule { collection, key_columns })
+                let collection = config
+                    .collection
+                    .replace("{table}", &table.name)
+                    .replace("{schema}", &table.schema)
+                    .into();
+                Arc::new(TableRule {
+                    collection,
+                    key_columns,
+                })
             })
             .clone();
         self.last = Some((table.clone(), rule.clone()));
@@ -70,7 +83,12 @@ impl ReplicaProjection {
         for column in columns {
             match row.get(column.as_str()) {
                 Some(v) if !v.is_null() => values.push(v),
-                _ => return Err(ProjectionError::MissingKey { table: event.table.to_string(), column: column.clone() }),
+                _ => {
+                    return Err(ProjectionError::MissingKey {
+                        table: event.table.to_string(),
+                        column: column.clone(),
+                    });
+                }
             }
         }
         Ok(render_key(values.into_iter()))
@@ -104,13 +122,21 @@ impl Projection for ReplicaProjection {
         self.config.tables.is_empty() || self.config.tables.iter().any(|t| table.matches(t))
     }
 
-    fn project(&mut self, event: &ChangeEvent, _now_ms: i64, out: &mut Vec<WriteOp>) -> Result<(), ProjectionError> {
+    fn project(
+        &mut self,
+        event: &ChangeEvent,
+        _now_ms: i64,
+        out: &mut Vec<WriteOp>,
+    ) -> Result<(), ProjectionError> {
         let rule = self.rule(&event.table);
         let collection = rule.collection.clone();
         let position = event.position.clone();
         match event.op {
             Op::Create | Op::Read | Op::Update => {
-                let after = event.after.as_ref().ok_or_else(|| ProjectionError::Invalid("no after image".into()))?;
+                let after = event
+                    .after
+                    .as_ref()
+                    .ok_or_else(|| ProjectionError::Invalid("no after image".into()))?;
                 let key = Self::key(&rule, event, after)?;
                 if event.op == Op::Update && event.key.is_none() {
                     if let Some(before) = event.before.as_deref() {
@@ -118,19 +144,38 @@ impl Projection for ReplicaProjection {
                         // sends only changed keys) cannot have moved the key.
                         if let Ok(old) = Self::key(&rule, event, before) {
                             if old != key {
-                                out.push(WriteOp::Delete { collection: collection.clone(), key: old, position: position.clone() });
+                                out.push(WriteOp::Delete {
+                                    collection: collection.clone(),
+                                    key: old,
+                                    position: position.clone(),
+                                });
                             }
                         }
                     }
                 }
-                out.push(WriteOp::Upsert { collection, key, doc: after.clone(), position });
+                out.push(WriteOp::Upsert {
+                    collection,
+                    key,
+                    doc: after.clone(),
+                    position,
+                });
             }
             Op::Delete => {
-                let before = event.before.as_deref().ok_or_else(|| ProjectionError::Invalid("no before image".into()))?;
+                let before = event
+                    .before
+                    .as_deref()
+                    .ok_or_else(|| ProjectionError::Invalid("no before image".into()))?;
                 let key = Self::key(&rule, event, before)?;
-                out.push(WriteOp::Delete { collection, key, position });
+                out.push(WriteOp::Delete {
+                    collection,
+                    key,
+                    position,
+                });
             }
-            Op::Truncate => out.push(WriteOp::Truncate { collection, position }),
+            Op::Truncate => out.push(WriteOp::Truncate {
+                collection,
+                position,
+            }),
         }
         Ok(())
     }
@@ -149,7 +194,10 @@ mod tests {
     fn projection() -> ReplicaProjection {
         ReplicaProjection::new(ReplicaProjectionConfig {
             tables: vec![],
-            key_columns: BTreeMap::from([("book_authors".to_string(), vec!["book_id".to_string(), "author_id".to_string()])]),
+            key_columns: BTreeMap::from([(
+                "book_authors".to_string(),
+                vec!["book_id".to_string(), "author_id".to_string()],
+            )]),
             default_key: vec!["id".into()],
             collection: "{schema}_{table}".into(),
             sinks: vec!["s".into()],
@@ -157,22 +205,35 @@ mod tests {
     }
 
     fn event(line: serde_json::Value) -> ChangeEvent {
-        let pos = Position { partition: "p".into(), offset: Offset(1, 0) };
-        match DebeziumDecoder::new().decode(line.to_string().as_bytes(), pos).unwrap() {
+        let pos = Position {
+            partition: "p".into(),
+            offset: Offset(1, 0),
+        };
+        match DebeziumDecoder::new()
+            .decode(line.to_string().as_bytes(), pos)
+            .unwrap()
+        {
             Record::Change(e) => e,
             r => panic!("{r:?}"),
         }
     }
 
     /// Renders ops compactly: `U coll/key`, `D coll/key`, `T coll`.
-    fn ops(p: &mut ReplicaProjection, line: serde_json::Value) -> Result<Vec<String>, ProjectionError> {
+    fn ops(
+        p: &mut ReplicaProjection,
+        line: serde_json::Value,
+    ) -> Result<Vec<String>, ProjectionError> {
         let mut out = Vec::new();
         p.project(&event(line), 0, &mut out)?;
         Ok(out
             .iter()
             .map(|op| match op {
-                WriteOp::Upsert { collection, key, .. } => format!("U {collection}/{key}"),
-                WriteOp::Delete { collection, key, .. } => format!("D {collection}/{key}"),
+                WriteOp::Upsert {
+                    collection, key, ..
+                } => format!("U {collection}/{key}"),
+                WriteOp::Delete {
+                    collection, key, ..
+                } => format!("D {collection}/{key}"),
                 WriteOp::Truncate { collection, .. } => format!("T {collection}"),
             })
             .collect())
@@ -183,16 +244,36 @@ mod tests {
         let src = json!({"schema": "public", "table": "authors"});
         let link = json!({"schema": "public", "table": "book_authors"});
         let cases: Vec<(&str, serde_json::Value, Result<Vec<&str>, &str>)> = vec![
-            ("create", json!({"after": {"id": "a1"}, "op": "c", "source": src}), Ok(vec!["U public_authors/a1"])),
-            ("snapshot", json!({"after": {"id": 7}, "op": "r", "source": src}), Ok(vec!["U public_authors/7"])),
-            ("update", json!({"before": {"id": "a1"}, "after": {"id": "a1"}, "op": "u", "source": src}), Ok(vec!["U public_authors/a1"])),
+            (
+                "create",
+                json!({"after": {"id": "a1"}, "op": "c", "source": src}),
+                Ok(vec!["U public_authors/a1"]),
+            ),
+            (
+                "snapshot",
+                json!({"after": {"id": 7}, "op": "r", "source": src}),
+                Ok(vec!["U public_authors/7"]),
+            ),
+            (
+                "update",
+                json!({"before": {"id": "a1"}, "after": {"id": "a1"}, "op": "u", "source": src}),
+                Ok(vec!["U public_authors/a1"]),
+            ),
             (
                 "key change",
                 json!({"before": {"id": "a1"}, "after": {"id": "a2"}, "op": "u", "source": src}),
                 Ok(vec!["D public_authors/a1", "U public_authors/a2"]),
             ),
-            ("delete", json!({"before": {"id": "a1"}, "after": null, "op": "d", "source": src}), Ok(vec!["D public_authors/a1"])),
-            ("truncate", json!({"op": "t", "source": src}), Ok(vec!["T public_authors"])),
+            (
+                "delete",
+                json!({"before": {"id": "a1"}, "after": null, "op": "d", "source": src}),
+                Ok(vec!["D public_authors/a1"]),
+            ),
+            (
+                "truncate",
+                json!({"op": "t", "source": src}),
+                Ok(vec!["T public_authors"]),
+            ),
             (
                 "composite key escaped",
                 json!({"after": {"book_id": "b,1", "author_id": "a%1"}, "op": "c", "source": link}),
@@ -203,9 +284,21 @@ mod tests {
                 json!({"key": {"isbn": "x"}, "value": {"after": {"id": "a1"}, "op": "c", "source": src}}),
                 Ok(vec!["U public_authors/x"]),
             ),
-            ("missing key", json!({"after": {"name": "n"}, "op": "c", "source": src}), Err("column `id` is missing")),
-            ("null key", json!({"after": {"id": null}, "op": "c", "source": src}), Err("column `id` is missing")),
-            ("missing composite part", json!({"after": {"book_id": "b1"}, "op": "c", "source": link}), Err("column `author_id`")),
+            (
+                "missing key",
+                json!({"after": {"name": "n"}, "op": "c", "source": src}),
+                Err("column `id` is missing"),
+            ),
+            (
+                "null key",
+                json!({"after": {"id": null}, "op": "c", "source": src}),
+                Err("column `id` is missing"),
+            ),
+            (
+                "missing composite part",
+                json!({"after": {"book_id": "b1"}, "op": "c", "source": link}),
+                Err("column `author_id`"),
+            ),
         ];
         let mut p = projection();
         for (name, line, want) in cases {

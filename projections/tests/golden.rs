@@ -13,12 +13,17 @@ use refract_schemas::{Offset, Position, Record};
 use serde_json::json;
 
 fn run_golden(name: &str, projection: &mut dyn Projection) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden").join(name);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/golden")
+        .join(name);
     let input = std::fs::read_to_string(dir.join("input.jsonl")).unwrap();
     let mut decoder = DebeziumDecoder::new();
     let mut rendered = Vec::new();
     for (i, line) in input.lines().enumerate() {
-        let position = Position { partition: "golden".into(), offset: Offset(i as u64 + 1, 0) };
+        let position = Position {
+            partition: "golden".into(),
+            offset: Offset(i as u64 + 1, 0),
+        };
         let record = decoder.decode(line.as_bytes(), position);
         let Ok(Record::Change(event)) = record else {
             rendered.push(json!({"line": i + 1, "not_a_change": format!("{record:?}").chars().take(60).collect::<String>()}).to_string());
@@ -31,9 +36,18 @@ fn run_golden(name: &str, projection: &mut dyn Projection) {
         for op in ops {
             rendered.push(
                 match op {
-                    WriteOp::Upsert { collection, key, doc, .. } => json!({"line": i + 1, "upsert": *collection, "key": key, "doc": *doc}),
-                    WriteOp::Delete { collection, key, .. } => json!({"line": i + 1, "delete": *collection, "key": key}),
-                    WriteOp::Truncate { collection, .. } => json!({"line": i + 1, "truncate": *collection}),
+                    WriteOp::Upsert {
+                        collection,
+                        key,
+                        doc,
+                        ..
+                    } => json!({"line": i + 1, "upsert": *collection, "key": key, "doc": *doc}),
+                    WriteOp::Delete {
+                        collection, key, ..
+                    } => json!({"line": i + 1, "delete": *collection, "key": key}),
+                    WriteOp::Truncate { collection, .. } => {
+                        json!({"line": i + 1, "truncate": *collection})
+                    }
                 }
                 .to_string(),
             );
@@ -49,7 +63,11 @@ fn run_golden(name: &str, projection: &mut dyn Projection) {
     for (n, (a, e)) in actual.lines().zip(expected.lines()).enumerate() {
         assert_eq!(a, e, "{name}: output line {} differs", n + 1);
     }
-    assert_eq!(actual.lines().count(), expected.lines().count(), "{name}: number of operations");
+    assert_eq!(
+        actual.lines().count(),
+        expected.lines().count(),
+        "{name}: number of operations"
+    );
 }
 
 #[test]
@@ -57,8 +75,14 @@ fn replica() {
     let mut projection = ReplicaProjection::new(ReplicaProjectionConfig {
         tables: vec![],
         key_columns: BTreeMap::from([
-            ("book_authors".to_string(), vec!["book_id".to_string(), "author_id".to_string()]),
-            ("device_heartbeats".to_string(), vec!["device_id".to_string(), "ts".to_string()]),
+            (
+                "book_authors".to_string(),
+                vec!["book_id".to_string(), "author_id".to_string()],
+            ),
+            (
+                "device_heartbeats".to_string(),
+                vec!["device_id".to_string(), "ts".to_string()],
+            ),
             ("orders".to_string(), vec!["order_id".to_string()]),
         ]),
         default_key: vec!["id".into()],

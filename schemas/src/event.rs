@@ -59,7 +59,9 @@ impl Op {
 ///
 /// PostgreSQL: (commit LSN, sequence within the transaction). Kafka: (offset, 0). File: (byte
 /// offset of the line's end, 0). Positions are totally ordered within their partition only.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 pub struct Offset(pub u64, pub u64);
 
 impl fmt::Display for Offset {
@@ -104,7 +106,10 @@ pub struct TableId {
 impl TableId {
     /// Builds a table id from its parts.
     pub fn new(schema: &str, name: &str) -> Self {
-        Self { schema: schema.into(), name: name.into() }
+        Self {
+            schema: schema.into(),
+            name: name.into(),
+        }
     }
 
     /// Matches a pattern as written in pipeline files: `table` or `schema.table`.

@@ -98,26 +98,45 @@ pub fn change_log(n: usize, seed: u64) -> Vec<String> {
                 None => ("c", Value::Null),
             };
             live.insert(id, after.clone());
-            lines.push(json!({"before": before, "after": after, "op": op, "source": src("items")}).to_string());
+            lines.push(
+                json!({"before": before, "after": after, "op": op, "source": src("items")})
+                    .to_string(),
+            );
         } else if roll < 75 {
-            if let Some((&id, before)) = live.iter().nth(rng.below(live.len().max(1) as u64) as usize) {
+            if let Some((&id, before)) = live
+                .iter()
+                .nth(rng.below(live.len().max(1) as u64) as usize)
+            {
                 let before = before.clone();
                 live.remove(&id);
-                lines.push(json!({"before": before, "after": null, "op": "d", "source": src("items")}).to_string());
+                lines.push(
+                    json!({"before": before, "after": null, "op": "d", "source": src("items")})
+                        .to_string(),
+                );
             }
         } else if roll < 90 {
             tx += 1;
-            lines.push(json!({"status": "BEGIN", "id": tx.to_string(), "event_count": null}).to_string());
+            lines.push(
+                json!({"status": "BEGIN", "id": tx.to_string(), "event_count": null}).to_string(),
+            );
             let a = rng.below(300);
             for _ in 0..3 {
                 let b = rng.below(300);
                 let op = if rng.below(4) == 0 { "d" } else { "c" };
                 let row = json!({"a": a, "b": b, "w": rng.below(10)});
-                let (before, after) = if op == "d" { (row, Value::Null) } else { (Value::Null, row) };
-                lines.push(json!({"before": before, "after": after, "op": op, "source": src("links"),
-                                  "transaction": {"id": tx.to_string(), "total_order": 1}}).to_string());
+                let (before, after) = if op == "d" {
+                    (row, Value::Null)
+                } else {
+                    (Value::Null, row)
+                };
+                lines.push(
+                    json!({"before": before, "after": after, "op": op, "source": src("links"),
+                                  "transaction": {"id": tx.to_string(), "total_order": 1}})
+                    .to_string(),
+                );
             }
-            lines.push(json!({"status": "END", "id": tx.to_string(), "event_count": 3}).to_string());
+            lines
+                .push(json!({"status": "END", "id": tx.to_string(), "event_count": 3}).to_string());
         } else if roll < 99 {
             let s = rng.below(200);
             lines.push(json!({"before": null, "after": {"id": format!("s{s}"), "seen": rng.below(1000)}, "op": "c", "source": src("sessions")}).to_string());
@@ -134,9 +153,15 @@ pub fn change_log(n: usize, seed: u64) -> Vec<String> {
 pub fn expected_state(lines: &[String]) -> BTreeMap<(String, String), Value> {
     let mut state = BTreeMap::new();
     for line in lines {
-        let Ok(v) = serde_json::from_str::<Value>(line) else { continue };
-        let Some(op) = v.get("op").and_then(Value::as_str) else { continue };
-        let Some(table) = v["source"]["table"].as_str() else { continue };
+        let Ok(v) = serde_json::from_str::<Value>(line) else {
+            continue;
+        };
+        let Some(op) = v.get("op").and_then(Value::as_str) else {
+            continue;
+        };
+        let Some(table) = v["source"]["table"].as_str() else {
+            continue;
+        };
         let key_of = |row: &Value| -> Option<String> {
             let text = |x: &Value| match x {
                 Value::String(s) => s.clone(),
@@ -179,7 +204,9 @@ pub fn read_output_live(out: &Path) -> BTreeMap<(String, String), Value> {
 
 fn read_documents(out: &Path, strict: bool) -> BTreeMap<(String, String), Value> {
     let mut docs = BTreeMap::new();
-    let Ok(collections) = std::fs::read_dir(out) else { return docs };
+    let Ok(collections) = std::fs::read_dir(out) else {
+        return docs;
+    };
     for collection in collections {
         let collection = collection.unwrap();
         if !collection.file_type().unwrap().is_dir() {
@@ -192,13 +219,16 @@ fn read_documents(out: &Path, strict: bool) -> BTreeMap<(String, String), Value>
             if !strict && !fname.ends_with(".json") {
                 continue;
             }
-            let stem = fname.strip_suffix(".json").unwrap_or_else(|| panic!("unexpected file {name}/{fname}"));
+            let stem = fname
+                .strip_suffix(".json")
+                .unwrap_or_else(|| panic!("unexpected file {name}/{fname}"));
             let bytes = match std::fs::read(file.path()) {
                 Ok(b) => b,
                 Err(_) if !strict => continue,
                 Err(e) => panic!("cannot read {name}/{fname}: {e}"),
             };
-            let doc: Value = serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{name}/{fname} is not whole JSON: {e}"));
+            let doc: Value = serde_json::from_slice(&bytes)
+                .unwrap_or_else(|e| panic!("{name}/{fname} is not whole JSON: {e}"));
             docs.insert((name.clone(), stem.to_owned()), doc);
         }
     }
@@ -206,7 +236,10 @@ fn read_documents(out: &Path, strict: bool) -> BTreeMap<(String, String), Value>
 }
 
 /// Compares two read models and describes the first differences.
-pub fn diff(expected: &BTreeMap<(String, String), Value>, actual: &BTreeMap<(String, String), Value>) -> Vec<String> {
+pub fn diff(
+    expected: &BTreeMap<(String, String), Value>,
+    actual: &BTreeMap<(String, String), Value>,
+) -> Vec<String> {
     let mut out = Vec::new();
     for (k, v) in expected {
         match actual.get(k) {
@@ -237,11 +270,21 @@ impl Running {
     /// Sends SIGTERM.
     pub fn terminate(&mut self) {
         let pid = self.child().id().to_string();
-        assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+        assert!(
+            Command::new("kill")
+                .args(["-TERM", &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
     }
     /// Waits for the process to end by itself, collecting its piped output.
     pub fn wait_with_output(mut self) -> Output {
-        self.0.take().expect("the process is still owned").wait_with_output().unwrap()
+        self.0
+            .take()
+            .expect("the process is still owned")
+            .wait_with_output()
+            .unwrap()
     }
 }
 
@@ -259,7 +302,12 @@ impl Drop for Running {
 /// Asserts that the documents under `out` are exactly `expected`, naming the first differences.
 pub fn assert_read_model(expected: &BTreeMap<(String, String), Value>, out: &Path, context: &str) {
     let problems = diff(expected, &read_output(out));
-    assert!(problems.is_empty(), "{context}: {} differences, e.g. {:?}", problems.len(), &problems[..problems.len().min(5)]);
+    assert!(
+        problems.is_empty(),
+        "{context}: {} differences, e.g. {:?}",
+        problems.len(),
+        &problems[..problems.len().min(5)]
+    );
 }
 
 /// Writes lines to a file, each followed by a newline.

@@ -13,7 +13,9 @@ pub struct NullSink {
 impl NullSink {
     /// A null sink named `name`.
     pub fn new(name: &str) -> Self {
-        Self { name: name.to_owned() }
+        Self {
+            name: name.to_owned(),
+        }
     }
 }
 

@@ -39,11 +39,19 @@ pub struct ObjectJsonSink {
 impl ObjectJsonSink {
     /// A sink named `name`; nothing is connected before [`Sink::open`].
     pub fn new(name: &str, config: ObjectJsonSinkConfig) -> Self {
-        Self { name: name.to_owned(), config, store: None, root: Path::default() }
+        Self {
+            name: name.to_owned(),
+            config,
+            store: None,
+            root: Path::default(),
+        }
     }
 
     fn object_path(&self, collection: &str, key: &str) -> Path {
-        self.root.clone().join(collection).join(format!("{key}.json").as_str())
+        self.root
+            .clone()
+            .join(collection)
+            .join(format!("{key}.json").as_str())
     }
 
     /// A key too long for an object name (most file systems stop at 255 bytes) can never be
@@ -85,9 +93,17 @@ fn classify(sink: &str, message: String, e: object_store::Error) -> SinkError {
     );
     let source = Some(Box::new(e) as Box<dyn std::error::Error + Send + Sync>);
     if permanent {
-        SinkError::Permanent { sink: sink.to_owned(), message, source }
+        SinkError::Permanent {
+            sink: sink.to_owned(),
+            message,
+            source,
+        }
     } else {
-        SinkError::Transient { sink: sink.to_owned(), message, source }
+        SinkError::Transient {
+            sink: sink.to_owned(),
+            message,
+            source,
+        }
     }
 }
 
@@ -97,23 +113,30 @@ pub fn open_store(url: &str) -> Result<(Arc<dyn ObjectStore>, Path), String> {
     // Builders accept lower-case config keys (`aws_access_key_id`, `azure_storage_account_name`, ...).
     let options = std::env::vars().filter_map(|(k, v)| {
         let lower = k.to_ascii_lowercase();
-        (lower.starts_with("aws_") || lower.starts_with("google_") || lower.starts_with("azure_")).then_some((lower, v))
+        (lower.starts_with("aws_") || lower.starts_with("google_") || lower.starts_with("azure_"))
+            .then_some((lower, v))
     });
-    let (store, root) = object_store::parse_url_opts(&parsed, options).map_err(|e| e.to_string())?;
+    let (store, root) =
+        object_store::parse_url_opts(&parsed, options).map_err(|e| e.to_string())?;
     Ok((Arc::from(store), root))
 }
 
 /// Removes `*.json#N` staging files under a local directory (left by a kill mid-write).
 fn remove_local_staging_files(dir: &std::path::Path) -> std::io::Result<usize> {
     let mut removed = 0;
-    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(0) };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(0);
+    };
     for entry in entries {
         let entry = entry?;
         let path = entry.path();
         if entry.file_type()?.is_dir() {
             removed += remove_local_staging_files(&path)?;
         } else if let Some((stem, suffix)) = entry.file_name().to_string_lossy().rsplit_once('#') {
-            if stem.ends_with(".json") && !suffix.is_empty() && suffix.chars().all(|c| c.is_ascii_digit()) {
+            if stem.ends_with(".json")
+                && !suffix.is_empty()
+                && suffix.chars().all(|c| c.is_ascii_digit())
+            {
                 std::fs::remove_file(&path)?;
                 removed += 1;
             }
@@ -129,16 +152,22 @@ impl Sink for ObjectJsonSink {
     }
 
     async fn open(&mut self) -> Result<(), SinkError> {
-        let (store, root) = open_store(&self.config.url).map_err(|message| SinkError::Permanent {
-            sink: self.name.clone(),
-            message: format!("cannot open `{}`: {message}", refract_schemas::config::mask_url(&self.config.url)),
-            source: None,
-        })?;
-        if let Some(dir) = self.config.url.strip_prefix("file://") {
-            let removed = remove_local_staging_files(std::path::Path::new(dir)).map_err(|e| SinkError::Transient {
+        let (store, root) =
+            open_store(&self.config.url).map_err(|message| SinkError::Permanent {
                 sink: self.name.clone(),
-                message: format!("cannot clean staging files under {dir}"),
-                source: Some(Box::new(e)),
+                message: format!(
+                    "cannot open `{}`: {message}",
+                    refract_schemas::config::mask_url(&self.config.url)
+                ),
+                source: None,
+            })?;
+        if let Some(dir) = self.config.url.strip_prefix("file://") {
+            let removed = remove_local_staging_files(std::path::Path::new(dir)).map_err(|e| {
+                SinkError::Transient {
+                    sink: self.name.clone(),
+                    message: format!("cannot clean staging files under {dir}"),
+                    source: Some(Box::new(e)),
+                }
             })?;
             if removed > 0 {
                 tracing::info!(sink = %self.name, removed, "removed staging files of interrupted writes");
@@ -152,7 +181,10 @@ impl Sink for ObjectJsonSink {
     async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
         let store = self.store.clone().expect("write after open");
         let mut report = WriteReport::default();
-        for segment in batch.ops.split_inclusive(|op| matches!(op, WriteOp::Truncate { .. })) {
+        for segment in batch
+            .ops
+            .split_inclusive(|op| matches!(op, WriteOp::Truncate { .. }))
+        {
             let (body, truncate) = match segment.split_last() {
                 Some((WriteOp::Truncate { collection, .. }, body)) => (body, Some(collection)),
                 _ => (segment, None),
@@ -161,7 +193,12 @@ impl Sink for ObjectJsonSink {
             let mut last: HashMap<(&str, &str), usize> = HashMap::with_capacity(body.len());
             for (i, op) in body.iter().enumerate() {
                 let key = match op {
-                    WriteOp::Upsert { collection, key, .. } | WriteOp::Delete { collection, key, .. } => (&**collection, key.as_str()),
+                    WriteOp::Upsert {
+                        collection, key, ..
+                    }
+                    | WriteOp::Delete {
+                        collection, key, ..
+                    } => (&**collection, key.as_str()),
                     WriteOp::Truncate { .. } => unreachable!("truncates end segments"),
                 };
                 last.insert(key, i);
@@ -171,36 +208,52 @@ impl Sink for ObjectJsonSink {
             winners.sort_unstable();
             let pretty = self.config.pretty;
             let this = &*self;
-            let results: Vec<Result<bool, SinkError>> = stream::iter(winners.into_iter().map(|i| {
-                let store = store.clone();
-                async move {
-                    match &body[i] {
-                        WriteOp::Upsert { collection, key, doc, .. } => {
-                            this.check_key(key)?;
-                            let path = this.object_path(collection, key);
-                            let bytes = if pretty { serde_json::to_vec_pretty(&**doc) } else { serde_json::to_vec(&**doc) }
+            let results: Vec<Result<bool, SinkError>> =
+                stream::iter(winners.into_iter().map(|i| {
+                    let store = store.clone();
+                    async move {
+                        match &body[i] {
+                            WriteOp::Upsert {
+                                collection,
+                                key,
+                                doc,
+                                ..
+                            } => {
+                                this.check_key(key)?;
+                                let path = this.object_path(collection, key);
+                                let bytes = if pretty {
+                                    serde_json::to_vec_pretty(&**doc)
+                                } else {
+                                    serde_json::to_vec(&**doc)
+                                }
                                 .expect("a JSON map serializes");
-                            store
-                                .put(&path, PutPayload::from(bytes))
-                                .await
-                                .map_err(|e| this.transient(format!("cannot write {path}"), e))?;
-                            Ok(true)
-                        }
-                        WriteOp::Delete { collection, key, .. } => {
-                            this.check_key(key)?;
-                            let path = this.object_path(collection, key);
-                            match store.delete(&path).await {
-                                Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(false),
-                                Err(e) => Err(this.transient(format!("cannot delete {path}"), e)),
+                                store
+                                    .put(&path, PutPayload::from(bytes))
+                                    .await
+                                    .map_err(|e| {
+                                        this.transient(format!("cannot write {path}"), e)
+                                    })?;
+                                Ok(true)
                             }
+                            WriteOp::Delete {
+                                collection, key, ..
+                            } => {
+                                this.check_key(key)?;
+                                let path = this.object_path(collection, key);
+                                match store.delete(&path).await {
+                                    Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(false),
+                                    Err(e) => {
+                                        Err(this.transient(format!("cannot delete {path}"), e))
+                                    }
+                                }
+                            }
+                            WriteOp::Truncate { .. } => unreachable!(),
                         }
-                        WriteOp::Truncate { .. } => unreachable!(),
                     }
-                }
-            }))
-            .buffer_unordered(self.config.concurrency)
-            .collect()
-            .await;
+                }))
+                .buffer_unordered(self.config.concurrency)
+                .collect()
+                .await;
             for r in results {
                 if r? {
                     report.upserted += 1;
@@ -236,18 +289,36 @@ mod tests {
     use super::*;
 
     fn pos() -> Position {
-        Position { partition: "p".into(), offset: Offset(1, 0) }
+        Position {
+            partition: "p".into(),
+            offset: Offset(1, 0),
+        }
     }
     fn up(c: &str, k: &str, v: i64) -> WriteOp {
-        let Ok(serde_json::Value::Object(doc)) = serde_json::from_value::<serde_json::Value>(json!({"id": k, "v": v})) else { panic!() };
-        WriteOp::Upsert { collection: c.into(), key: k.into(), doc: Arc::new(doc as Row), position: pos() }
+        let Ok(serde_json::Value::Object(doc)) =
+            serde_json::from_value::<serde_json::Value>(json!({"id": k, "v": v}))
+        else {
+            panic!()
+        };
+        WriteOp::Upsert {
+            collection: c.into(),
+            key: k.into(),
+            doc: Arc::new(doc as Row),
+            position: pos(),
+        }
     }
     fn del(c: &str, k: &str) -> WriteOp {
-        WriteOp::Delete { collection: c.into(), key: k.into(), position: pos() }
+        WriteOp::Delete {
+            collection: c.into(),
+            key: k.into(),
+            position: pos(),
+        }
     }
 
     fn read(dir: &std::path::Path, c: &str, k: &str) -> Option<serde_json::Value> {
-        std::fs::read(dir.join(c).join(format!("{k}.json"))).ok().map(|b| serde_json::from_slice(&b).unwrap())
+        std::fs::read(dir.join(c).join(format!("{k}.json")))
+            .ok()
+            .map(|b| serde_json::from_slice(&b).unwrap())
     }
 
     #[tokio::test]
@@ -256,9 +327,19 @@ mod tests {
         std::fs::create_dir_all(dir.path().join("books")).unwrap();
         std::fs::write(dir.path().join("books/x.json#3"), b"{\"half").unwrap();
         let url = format!("file://{}", dir.path().display());
-        let mut sink = ObjectJsonSink::new("t", ObjectJsonSinkConfig { url, concurrency: 4, pretty: false });
+        let mut sink = ObjectJsonSink::new(
+            "t",
+            ObjectJsonSinkConfig {
+                url,
+                concurrency: 4,
+                pretty: false,
+            },
+        );
         sink.open().await.unwrap();
-        assert!(!dir.path().join("books/x.json#3").exists(), "staging leftovers are removed");
+        assert!(
+            !dir.path().join("books/x.json#3").exists(),
+            "staging leftovers are removed"
+        );
 
         let ops = vec![
             up("books", "b1", 1),
@@ -267,30 +348,62 @@ mod tests {
             del("books", "b2"),
             del("books", "never-existed"),
             up("authors", "a1", 1),
-            WriteOp::Truncate { collection: "authors".into(), position: pos() },
+            WriteOp::Truncate {
+                collection: "authors".into(),
+                position: pos(),
+            },
             up("authors", "a2", 1),
         ];
         let report = sink.write(&SinkBatch { seq: 1, ops }).await.unwrap();
-        assert_eq!(read(dir.path(), "books", "b1"), Some(json!({"id": "b1", "v": 2})));
+        assert_eq!(
+            read(dir.path(), "books", "b1"),
+            Some(json!({"id": "b1", "v": 2}))
+        );
         assert_eq!(read(dir.path(), "books", "b2"), None);
-        assert_eq!(read(dir.path(), "authors", "a1"), None, "truncate removed a1");
-        assert_eq!(read(dir.path(), "authors", "a2"), Some(json!({"id": "a2", "v": 1})));
+        assert_eq!(
+            read(dir.path(), "authors", "a1"),
+            None,
+            "truncate removed a1"
+        );
+        assert_eq!(
+            read(dir.path(), "authors", "a2"),
+            Some(json!({"id": "a2", "v": 1}))
+        );
         assert_eq!(report.coalesced, 2);
 
         // Replaying the batch is harmless (idempotent).
         let again = vec![up("books", "b1", 2), del("books", "b2")];
         sink.write(&SinkBatch { seq: 2, ops: again }).await.unwrap();
-        assert_eq!(read(dir.path(), "books", "b1"), Some(json!({"id": "b1", "v": 2})));
+        assert_eq!(
+            read(dir.path(), "books", "b1"),
+            Some(json!({"id": "b1", "v": 2}))
+        );
     }
 
     #[tokio::test]
     async fn a_key_too_long_for_an_object_name_is_a_permanent_error() {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("file://{}", dir.path().display());
-        let mut sink = ObjectJsonSink::new("t", ObjectJsonSinkConfig { url, concurrency: 4, pretty: false });
+        let mut sink = ObjectJsonSink::new(
+            "t",
+            ObjectJsonSinkConfig {
+                url,
+                concurrency: 4,
+                pretty: false,
+            },
+        );
         sink.open().await.unwrap();
-        let err = sink.write(&SinkBatch { seq: 1, ops: vec![up("books", &"k".repeat(300), 1)] }).await.unwrap_err();
-        assert!(!err.is_retryable() && err.to_string().contains("longer than 255 bytes"), "{err}");
+        let err = sink
+            .write(&SinkBatch {
+                seq: 1,
+                ops: vec![up("books", &"k".repeat(300), 1)],
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            !err.is_retryable() && err.to_string().contains("longer than 255 bytes"),
+            "{err}"
+        );
     }
 
     #[tokio::test]
@@ -299,9 +412,22 @@ mod tests {
         let blocker = dir.path().join("books");
         std::fs::write(&blocker, b"a file where a directory must go").unwrap();
         let url = format!("file://{}", dir.path().display());
-        let mut sink = ObjectJsonSink::new("t", ObjectJsonSinkConfig { url, concurrency: 4, pretty: false });
+        let mut sink = ObjectJsonSink::new(
+            "t",
+            ObjectJsonSinkConfig {
+                url,
+                concurrency: 4,
+                pretty: false,
+            },
+        );
         sink.open().await.unwrap();
-        let err = sink.write(&SinkBatch { seq: 1, ops: vec![up("books", "b1", 1)] }).await.unwrap_err();
+        let err = sink
+            .write(&SinkBatch {
+                seq: 1,
+                ops: vec![up("books", "b1", 1)],
+            })
+            .await
+            .unwrap_err();
         assert!(err.to_string().contains("cannot write"), "{err}");
     }
 }

@@ -85,7 +85,11 @@ impl Source for FileSource {
                 path.display()
             )));
         }
-        file.seek(SeekFrom::Start(start)).map_err(|e| SourceError::Io { message: "seek failed".into(), source: Some(e) })?;
+        file.seek(SeekFrom::Start(start))
+            .map_err(|e| SourceError::Io {
+                message: "seek failed".into(),
+                source: Some(e),
+            })?;
         self.done_bytes.store(start, Ordering::Relaxed);
         self.total_bytes.store(len, Ordering::Relaxed);
 
@@ -97,11 +101,19 @@ impl Source for FileSource {
         let (job_tx, job_rx) = std::sync::mpsc::sync_channel::<Job>(threads);
         let job_rx = Arc::new(Mutex::new(job_rx));
         for i in 0..threads {
-            let worker = Worker { partition: self.partition.clone(), jobs: job_rx.clone(), results: tx.clone(), stop: self.stop.clone() };
+            let worker = Worker {
+                partition: self.partition.clone(),
+                jobs: job_rx.clone(),
+                results: tx.clone(),
+                stop: self.stop.clone(),
+            };
             std::thread::Builder::new()
                 .name(format!("file-decode-{i}"))
                 .spawn(move || worker.run())
-                .map_err(|e| SourceError::Io { message: "cannot start decode threads".into(), source: Some(e) })?;
+                .map_err(|e| SourceError::Io {
+                    message: "cannot start decode threads".into(),
+                    source: Some(e),
+                })?;
         }
         let reader = Reader {
             file,
@@ -109,7 +121,11 @@ impl Source for FileSource {
             offset: start,
             seq: 0,
             poll: Duration::from_millis(self.config.poll_interval_ms),
-            mode: if self.config.follow { mode } else { ReadMode::UntilCaughtUp },
+            mode: if self.config.follow {
+                mode
+            } else {
+                ReadMode::UntilCaughtUp
+            },
             stop: self.stop.clone(),
             done_bytes: self.done_bytes.clone(),
             total_bytes: self.total_bytes.clone(),
@@ -117,13 +133,18 @@ impl Source for FileSource {
         std::thread::Builder::new()
             .name("file-source".into())
             .spawn(move || reader.run(job_tx, tx))
-            .map_err(|e| SourceError::Io { message: "cannot start the reader thread".into(), source: Some(e) })?;
+            .map_err(|e| SourceError::Io {
+                message: "cannot start the reader thread".into(),
+                source: Some(e),
+            })?;
         self.rx = Some(rx);
         Ok(())
     }
 
     async fn next_chunk(&mut self) -> Result<Option<Vec<SourceItem>>, SourceError> {
-        let Some(rx) = self.rx.as_mut() else { return Ok(None) };
+        let Some(rx) = self.rx.as_mut() else {
+            return Ok(None);
+        };
         loop {
             if let Some(chunk) = self.early.remove(&self.next_seq) {
                 self.next_seq += 1;
@@ -153,7 +174,10 @@ impl Source for FileSource {
     }
 
     fn progress(&self) -> Option<(u64, u64)> {
-        Some((self.done_bytes.load(Ordering::Relaxed), self.total_bytes.load(Ordering::Relaxed)))
+        Some((
+            self.done_bytes.load(Ordering::Relaxed),
+            self.total_bytes.load(Ordering::Relaxed),
+        ))
     }
 }
 
@@ -193,7 +217,12 @@ impl Worker {
 }
 
 /// Decodes every line of `chunk`; blank lines are skipped.
-fn decode_chunk(decoder: &mut DebeziumDecoder, partition: &Arc<str>, chunk: &Bytes, base: u64) -> Vec<SourceItem> {
+fn decode_chunk(
+    decoder: &mut DebeziumDecoder,
+    partition: &Arc<str>,
+    chunk: &Bytes,
+    base: u64,
+) -> Vec<SourceItem> {
     let mut out = Vec::with_capacity(chunk.len() / 256 + 1);
     let mut start = 0;
     while start < chunk.len() {
@@ -204,9 +233,15 @@ fn decode_chunk(decoder: &mut DebeziumDecoder, partition: &Arc<str>, chunk: &Byt
         if text.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        let position = Position { partition: partition.clone(), offset: Offset(base + end as u64, 0) };
+        let position = Position {
+            partition: partition.clone(),
+            offset: Offset(base + end as u64, 0),
+        };
         let record = decoder.decode(text, position);
-        out.push(SourceItem { record, raw: chunk.slice(line_start..line_start + text.len()) });
+        out.push(SourceItem {
+            record,
+            raw: chunk.slice(line_start..line_start + text.len()),
+        });
     }
     out
 }
@@ -242,10 +277,13 @@ impl Reader {
             }
             let before = pending.len();
             pending.resize(before + CHUNK_BYTES, 0);
-            let n = self.file.read(&mut pending[before..]).map_err(|e| SourceError::Io {
-                message: format!("cannot read `{}`: {e}", self.path.display()),
-                source: Some(e),
-            })?;
+            let n = self
+                .file
+                .read(&mut pending[before..])
+                .map_err(|e| SourceError::Io {
+                    message: format!("cannot read `{}`: {e}", self.path.display()),
+                    source: Some(e),
+                })?;
             pending.truncate(before + n);
             if n == 0 {
                 let len = self.file.metadata().map(|m| m.len()).unwrap_or(0);
@@ -283,7 +321,11 @@ impl Reader {
     /// Queues a chunk of whole lines for decoding (waiting while the workers are busy).
     fn hand_out(&mut self, chunk: Bytes, jobs: &std::sync::mpsc::SyncSender<Job>) {
         let len = chunk.len() as u64;
-        let job = Job { seq: self.seq, base: self.offset, chunk };
+        let job = Job {
+            seq: self.seq,
+            base: self.offset,
+            chunk,
+        };
         if jobs.send(job).is_err() {
             self.stop.store(true, Ordering::Relaxed);
             return;
@@ -312,12 +354,19 @@ mod tests {
     use super::*;
 
     fn source(path: &std::path::Path) -> FileSource {
-        FileSource::new(FileSourceConfig { path: path.display().to_string(), follow: true, poll_interval_ms: 10, decode_threads: 2 })
+        FileSource::new(FileSourceConfig {
+            path: path.display().to_string(),
+            follow: true,
+            poll_interval_ms: 10,
+            decode_threads: 2,
+        })
     }
 
     async fn read_all(src: &mut FileSource, checkpoint: &Checkpoint) -> Vec<SourceItem> {
         let (_tx, rx) = watch::channel(Checkpoint::new());
-        src.start(checkpoint, ReadMode::UntilCaughtUp, rx).await.unwrap();
+        src.start(checkpoint, ReadMode::UntilCaughtUp, rx)
+            .await
+            .unwrap();
         let mut all = Vec::new();
         while let Some(chunk) = src.next_chunk().await.unwrap() {
             all.extend(chunk);
@@ -353,9 +402,22 @@ mod tests {
                 r => panic!("{r:?}"),
             })
             .collect();
-        assert!(ids.iter().enumerate().all(|(i, id)| i as i64 == *id), "order kept");
+        assert!(
+            ids.iter().enumerate().all(|(i, id)| i as i64 == *id),
+            "order kept"
+        );
         let file_len = std::fs::metadata(&path).unwrap().len();
-        assert_eq!(items.last().unwrap().record.as_ref().unwrap().position().offset, Offset(file_len, 0));
+        assert_eq!(
+            items
+                .last()
+                .unwrap()
+                .record
+                .as_ref()
+                .unwrap()
+                .position()
+                .offset,
+            Offset(file_len, 0)
+        );
 
         // Resume after item 29999: exactly the rest comes back.
         let cut = items[29_999].record.as_ref().unwrap().position().clone();
@@ -370,9 +432,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("log.jsonl");
         std::fs::write(&path, format!("{}\n", line(1))).unwrap();
-        let checkpoint = Checkpoint::from([(format!("file:{}", path.display()), Offset(10_000, 0))]);
+        let checkpoint =
+            Checkpoint::from([(format!("file:{}", path.display()), Offset(10_000, 0))]);
         let (_tx, rx) = watch::channel(Checkpoint::new());
-        let err = source(&path).start(&checkpoint, ReadMode::UntilCaughtUp, rx).await.unwrap_err();
+        let err = source(&path)
+            .start(&checkpoint, ReadMode::UntilCaughtUp, rx)
+            .await
+            .unwrap_err();
         assert!(err.to_string().contains("replaced or truncated"), "{err}");
     }
 
@@ -383,9 +449,14 @@ mod tests {
         std::fs::write(&path, format!("{}\n", line(1))).unwrap();
         let mut src = source(&path);
         let (_tx, rx) = watch::channel(Checkpoint::new());
-        src.start(&Checkpoint::new(), ReadMode::Follow, rx).await.unwrap();
+        src.start(&Checkpoint::new(), ReadMode::Follow, rx)
+            .await
+            .unwrap();
         assert_eq!(src.next_chunk().await.unwrap().unwrap().len(), 1);
-        let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
         let second = line(2);
         let (head, tail) = second.split_at(10);
         write!(f, "{head}").unwrap();
@@ -394,7 +465,10 @@ mod tests {
         writeln!(f, "{tail}").unwrap();
         let chunk = src.next_chunk().await.unwrap().unwrap();
         assert_eq!(chunk.len(), 1);
-        assert!(chunk[0].record.is_ok(), "a line written in two parts is read whole");
+        assert!(
+            chunk[0].record.is_ok(),
+            "a line written in two parts is read whole"
+        );
         src.stop();
         assert!(src.next_chunk().await.unwrap().is_none());
     }

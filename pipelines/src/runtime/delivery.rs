@@ -34,7 +34,11 @@ impl Job {
 /// A delivery task's report to the runtime.
 pub(crate) enum Ack {
     /// Batch `seq` is durable in target `target`.
-    Done { target: usize, seq: u64, report: WriteReport },
+    Done {
+        target: usize,
+        seq: u64,
+        report: WriteReport,
+    },
     /// The target failed permanently, or gave up retrying because of shutdown.
     Failed { error: SinkError, shutdown: bool },
 }
@@ -143,7 +147,14 @@ pub(crate) async fn run(
         let seq = job.seq();
         match retrying(&mut target, Attempt::Deliver(&job), &mut shutdown).await {
             Ok(report) => {
-                if acks.send(Ack::Done { target: index, seq, report }).is_err() {
+                if acks
+                    .send(Ack::Done {
+                        target: index,
+                        seq,
+                        report,
+                    })
+                    .is_err()
+                {
                     return;
                 }
             }

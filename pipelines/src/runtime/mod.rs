@@ -54,15 +54,19 @@ pub enum RunError {
     Sink(SinkError),
     /// Shutdown was requested while a sink was still failing: the checkpoint stayed before the
     /// undelivered changes, which the next run replays.
-    #[error("stopped on request while a sink was failing ({0}); the checkpoint stays before the undelivered changes, \
-             which the next run replays")]
+    #[error(
+        "stopped on request while a sink was failing ({0}); the checkpoint stays before the undelivered changes, \
+             which the next run replays"
+    )]
     Interrupted(SinkError),
     /// The checkpoint store failed.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
     /// Bad input with `on_error = "stop"`: everything before it is durable and checkpointed.
-    #[error("bad input at {position} ({stage:?}): {reason}; everything before it was written and checkpointed. \
-             Fix the input, or set `on_error = \"dead_letter\"` to record it and go on")]
+    #[error(
+        "bad input at {position} ({stage:?}): {reason}; everything before it was written and checkpointed. \
+             Fix the input, or set `on_error = \"dead_letter\"` to record it and go on"
+    )]
     BadInput {
         /// Where the input is.
         position: Position,
@@ -91,7 +95,9 @@ pub struct RunOptions {
 
 /// The wall clock in milliseconds since the epoch (handed to projections, stamped on dead letters).
 pub(crate) fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
 }
 
 /// The directory holding a pipeline's checkpoint and state.
@@ -116,7 +122,14 @@ struct Batch {
 
 impl Batch {
     fn new(sinks: usize) -> Self {
-        Self { ops: vec![Vec::new(); sinks], letters: Vec::new(), end: BTreeMap::new(), events: 0, bytes: 0, started: None }
+        Self {
+            ops: vec![Vec::new(); sinks],
+            letters: Vec::new(),
+            end: BTreeMap::new(),
+            events: 0,
+            bytes: 0,
+            started: None,
+        }
     }
 
     fn is_empty(&self) -> bool {
@@ -140,11 +153,18 @@ struct Route {
 
 /// Runs a pipeline until the source ends (`--until-caught-up`), `shutdown` turns true, or an
 /// error stops it.
-pub async fn run(loaded: &LoadedPipeline, options: RunOptions, shutdown: watch::Receiver<bool>) -> Result<RunSummary, RunError> {
+pub async fn run(
+    loaded: &LoadedPipeline,
+    options: RunOptions,
+    shutdown: watch::Receiver<bool>,
+) -> Result<RunSummary, RunError> {
     let config = &loaded.config;
     let started = Instant::now();
     let state = state_path(config);
-    std::fs::create_dir_all(&state).map_err(|source| RunError::State { path: state.clone(), source })?;
+    std::fs::create_dir_all(&state).map_err(|source| RunError::State {
+        path: state.clone(),
+        source,
+    })?;
     let store = CheckpointStore::open(&state.join("checkpoint.redb"))?;
     let resumed = store.load()?;
     if !resumed.is_empty() {
@@ -156,13 +176,22 @@ pub async fn run(loaded: &LoadedPipeline, options: RunOptions, shutdown: watch::
     let dead_letters = match &config.pipeline.dead_letter.url {
         Some(url) => DeadLetterStore::open_url(url),
         None => {
-            let path = config.pipeline.dead_letter.path.as_ref().map_or_else(|| default_dead_letter_path(config), PathBuf::from);
+            let path = config
+                .pipeline
+                .dead_letter
+                .path
+                .as_ref()
+                .map_or_else(|| default_dead_letter_path(config), PathBuf::from);
             DeadLetterStore::open_file(path, &resumed)
         }
     }
     .map_err(RunError::Sink)?;
     let dead_letter_location = dead_letters.location();
-    let mut targets: Vec<Target> = config.sinks.iter().map(|(name, c)| Target::Sink(registry::build_sink(name, c))).collect();
+    let mut targets: Vec<Target> = config
+        .sinks
+        .iter()
+        .map(|(name, c)| Target::Sink(registry::build_sink(name, c)))
+        .collect();
     targets.push(Target::DeadLetters(dead_letters));
     let dead_letter_target = targets.len() - 1;
 
@@ -172,7 +201,16 @@ pub async fn run(loaded: &LoadedPipeline, options: RunOptions, shutdown: watch::
         .map(|(name, c)| Route {
             name: name.clone(),
             projection: refract_projections::build(c),
-            sinks: c.sinks().iter().map(|s| sink_names.iter().position(|n| n == s).expect("validated sink name")).collect(),
+            sinks: c
+                .sinks()
+                .iter()
+                .map(|s| {
+                    sink_names
+                        .iter()
+                        .position(|n| n == s)
+                        .expect("validated sink name")
+                })
+                .collect(),
         })
         .collect();
 
@@ -192,7 +230,13 @@ pub async fn run(loaded: &LoadedPipeline, options: RunOptions, shutdown: watch::
     for (index, target) in targets.into_iter().enumerate() {
         let (tx, rx) = mpsc::channel(config.pipeline.queue_depth);
         job_txs.push(tx);
-        tasks.push(tokio::spawn(delivery::run(index, target, rx, ack_tx.clone(), stop_tasks.subscribe())));
+        tasks.push(tokio::spawn(delivery::run(
+            index,
+            target,
+            rx,
+            ack_tx.clone(),
+            stop_tasks.subscribe(),
+        )));
     }
     drop(ack_tx);
 
@@ -227,10 +271,18 @@ pub async fn run(loaded: &LoadedPipeline, options: RunOptions, shutdown: watch::
             SinkConfig::ObjectJson(o) => mask_url(&o.url),
             SinkConfig::Null(_) => "discarded".to_owned(),
         };
-        processor.summary.sink_locations.insert(name.clone(), location);
+        processor
+            .summary
+            .sink_locations
+            .insert(name.clone(), location);
     }
     let outcome = processor.run(&mut *source, shutdown).await;
-    let Processor { mut summary, job_txs, cp_tx, .. } = processor;
+    let Processor {
+        mut summary,
+        job_txs,
+        cp_tx,
+        ..
+    } = processor;
     if outcome.is_err() {
         stop_tasks.send_replace(true);
     }
@@ -269,7 +321,9 @@ async fn checkpointer(
         if next != last {
             let s = store.clone();
             let cp = next.clone();
-            tokio::task::spawn_blocking(move || s.commit(&cp)).await.expect("checkpoint commit task")?;
+            tokio::task::spawn_blocking(move || s.commit(&cp))
+                .await
+                .expect("checkpoint commit task")?;
             tracing::debug!(checkpoint = ?next, "checkpoint committed");
             last = next.clone();
             let _ = durable.send(next);
@@ -302,11 +356,18 @@ struct Processor {
 
 impl Processor {
     /// Returns whether the run ended because of a shutdown request.
-    async fn run(&mut self, source: &mut dyn refract_connectors::Source, mut shutdown: watch::Receiver<bool>) -> Result<bool, RunError> {
+    async fn run(
+        &mut self,
+        source: &mut dyn refract_connectors::Source,
+        mut shutdown: watch::Receiver<bool>,
+    ) -> Result<bool, RunError> {
         let mut stopping = false;
         let mut last_progress = Instant::now();
         loop {
-            let deadline = self.batch.started.map(|s| tokio::time::Instant::from_std(s + self.max_delay));
+            let deadline = self
+                .batch
+                .started
+                .map(|s| tokio::time::Instant::from_std(s + self.max_delay));
             tokio::select! {
                 biased;
                 ack = self.ack_rx.recv() => match ack {
@@ -348,8 +409,14 @@ impl Processor {
 
     fn batch_full(&self) -> bool {
         let b = &self.batch;
-        let over = |factor: usize| b.events >= self.max_events * factor || b.bytes >= self.max_bytes * factor;
-        if self.in_transaction { over(TRANSACTION_BATCH_FACTOR) } else { over(1) }
+        let over = |factor: usize| {
+            b.events >= self.max_events * factor || b.bytes >= self.max_bytes * factor
+        };
+        if self.in_transaction {
+            over(TRANSACTION_BATCH_FACTOR)
+        } else {
+            over(1)
+        }
     }
 
     /// Handles one source item: projects it, or records it as bad input.
@@ -363,7 +430,13 @@ impl Processor {
         self.batch.bytes += raw.len();
         let position = match record {
             Err(e) => {
-                self.reject(DeadLetter { position: e.position.clone(), stage: Stage::Decode, reason: e.reason, table: None, raw })?;
+                self.reject(DeadLetter {
+                    position: e.position.clone(),
+                    stage: Stage::Decode,
+                    reason: e.reason,
+                    table: None,
+                    raw,
+                })?;
                 e.position
             }
             Ok(Record::Tombstone(p)) => {
@@ -395,15 +468,29 @@ impl Processor {
                                 }
                             }
                         }
-                        Err(e) => rejection = Some((Stage::Projection, format!("projection `{}`: {e}", route.name))),
+                        Err(e) => {
+                            rejection = Some((
+                                Stage::Projection,
+                                format!("projection `{}`: {e}", route.name),
+                            ))
+                        }
                     }
                 }
                 if !read {
-                    rejection = Some((Stage::Routing, format!("no projection reads table `{}`", event.table)));
+                    rejection = Some((
+                        Stage::Routing,
+                        format!("no projection reads table `{}`", event.table),
+                    ));
                 }
                 if let Some((stage, reason)) = rejection {
                     let table = Some(event.table.to_string());
-                    self.reject(DeadLetter { position: event.position.clone(), stage, reason, table, raw })?;
+                    self.reject(DeadLetter {
+                        position: event.position.clone(),
+                        stage,
+                        reason,
+                        table,
+                        raw,
+                    })?;
                 }
                 event.position
             }
@@ -428,7 +515,11 @@ impl Processor {
             OnError::Stop => {
                 // The bad record itself is not part of the batch: its position is not checkpointed.
                 self.batch.events -= 1;
-                Err(RunError::BadInput { position: letter.position, stage: letter.stage, reason: letter.reason })
+                Err(RunError::BadInput {
+                    position: letter.position,
+                    stage: letter.stage,
+                    reason: letter.reason,
+                })
             }
         }
     }
@@ -450,9 +541,19 @@ impl Processor {
             }
         }
         if !batch.letters.is_empty() {
-            jobs.push((self.dead_letter_target, Job::Letters { seq, letters: batch.letters }));
+            jobs.push((
+                self.dead_letter_target,
+                Job::Letters {
+                    seq,
+                    letters: batch.letters,
+                },
+            ));
         }
-        self.inflight.push_back(InFlight { seq, end: batch.end, pending: jobs.len() });
+        self.inflight.push_back(InFlight {
+            seq,
+            end: batch.end,
+            pending: jobs.len(),
+        });
         for (target, job) in jobs {
             if self.job_txs[target].send(job).await.is_err() {
                 // The target's task ended: its failure is waiting in the ack channel.
@@ -469,16 +570,27 @@ impl Processor {
 
     fn on_ack(&mut self, ack: Ack) -> Result<(), RunError> {
         match ack {
-            Ack::Done { target, seq, report } => {
+            Ack::Done {
+                target,
+                seq,
+                report,
+            } => {
                 if target != self.dead_letter_target {
                     self.summary.add_report(target, report);
                 }
-                let entry = self.inflight.iter_mut().find(|f| f.seq == seq).expect("ack for a dispatched batch");
+                let entry = self
+                    .inflight
+                    .iter_mut()
+                    .find(|f| f.seq == seq)
+                    .expect("ack for a dispatched batch");
                 entry.pending -= 1;
                 self.complete_ready();
                 Ok(())
             }
-            Ack::Failed { error, shutdown: true } => Err(RunError::Interrupted(error)),
+            Ack::Failed {
+                error,
+                shutdown: true,
+            } => Err(RunError::Interrupted(error)),
             Ack::Failed { error, .. } => Err(RunError::Sink(error)),
         }
     }
@@ -515,7 +627,11 @@ impl Processor {
                 return e;
             }
         }
-        RunError::Sink(SinkError::Permanent { sink: "?".into(), message: "a sink task ended unexpectedly".into(), source: None })
+        RunError::Sink(SinkError::Permanent {
+            sink: "?".into(),
+            message: "a sink task ended unexpectedly".into(),
+            source: None,
+        })
     }
 }
 

@@ -47,7 +47,11 @@ fn seconds<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> 
 }
 
 impl RunSummary {
-    pub(crate) fn new(sink_names: Vec<String>, dead_letter_location: String, resumed_from: Checkpoint) -> Self {
+    pub(crate) fn new(
+        sink_names: Vec<String>,
+        dead_letter_location: String,
+        resumed_from: Checkpoint,
+    ) -> Self {
         Self {
             records: 0,
             changes: BTreeMap::new(),
@@ -55,7 +59,10 @@ impl RunSummary {
             tombstones: 0,
             dead_letters: 0,
             dead_letter_location,
-            sinks: sink_names.iter().map(|n| (n.clone(), WriteReport::default())).collect(),
+            sinks: sink_names
+                .iter()
+                .map(|n| (n.clone(), WriteReport::default()))
+                .collect(),
             sink_locations: BTreeMap::new(),
             checkpoint: resumed_from.clone(),
             resumed_from,
@@ -88,40 +95,80 @@ impl RunSummary {
     }
 
     pub(crate) fn log_progress(&self, progress: Option<(u64, u64)>) {
-        let percent = progress.filter(|(_, total)| *total > 0).map(|(done, total)| (done as f64 * 100.0 / total as f64).min(100.0));
+        let percent = progress
+            .filter(|(_, total)| *total > 0)
+            .map(|(done, total)| (done as f64 * 100.0 / total as f64).min(100.0));
         tracing::info!(records = self.records, dead_letters = self.dead_letters, percent_read = ?percent.map(|p| (p * 10.0).round() / 10.0), "progress");
     }
 
     /// The human-readable summary.
     pub fn render(&self) -> String {
         let secs = self.elapsed.as_secs_f64();
-        let rate = if secs > 0.0 { self.records as f64 / secs } else { 0.0 };
+        let rate = if secs > 0.0 {
+            self.records as f64 / secs
+        } else {
+            0.0
+        };
         let mut out = String::new();
-        let changes: Vec<String> = self.changes.iter().map(|(op, n)| format!("{op}={n}")).collect();
+        let changes: Vec<String> = self
+            .changes
+            .iter()
+            .map(|(op, n)| format!("{op}={n}"))
+            .collect();
         out.push_str(&format!(
             "records read   {} in {:.2}s ({:.0}/s); changes {}; transactions {}\n",
             self.records,
             secs,
             rate,
-            if changes.is_empty() { "none".into() } else { changes.join(" ") },
+            if changes.is_empty() {
+                "none".into()
+            } else {
+                changes.join(" ")
+            },
             self.transactions
         ));
         for (name, r) in &self.sinks {
-            let at = self.sink_locations.get(name).map_or(String::new(), |l| format!(" -> {l}"));
+            let at = self
+                .sink_locations
+                .get(name)
+                .map_or(String::new(), |l| format!(" -> {l}"));
             out.push_str(&format!(
                 "sink {name:<10} {} upserted, {} deleted, {} coalesced{at}\n",
                 r.upserted, r.deleted, r.coalesced
             ));
         }
-        out.push_str(&format!("dead letters   {} (in {})\n", self.dead_letters, self.dead_letter_location));
+        out.push_str(&format!(
+            "dead letters   {} (in {})\n",
+            self.dead_letters, self.dead_letter_location
+        ));
         if !self.resumed_from.is_empty() {
-            let from: Vec<String> = self.resumed_from.iter().map(|(p, o)| format!("{p}@{o}")).collect();
-            out.push_str(&format!("resumed from   {} (delete the state directory to start over)\n", from.join(", ")));
+            let from: Vec<String> = self
+                .resumed_from
+                .iter()
+                .map(|(p, o)| format!("{p}@{o}"))
+                .collect();
+            out.push_str(&format!(
+                "resumed from   {} (delete the state directory to start over)\n",
+                from.join(", ")
+            ));
         }
-        let cp: Vec<String> = self.checkpoint.iter().map(|(p, o)| format!("{p}@{o}")).collect();
-        out.push_str(&format!("checkpoint     {}\n", if cp.is_empty() { "none".into() } else { cp.join(", ") }));
+        let cp: Vec<String> = self
+            .checkpoint
+            .iter()
+            .map(|(p, o)| format!("{p}@{o}"))
+            .collect();
+        out.push_str(&format!(
+            "checkpoint     {}\n",
+            if cp.is_empty() {
+                "none".into()
+            } else {
+                cp.join(", ")
+            }
+        ));
         if self.stopped_by_signal {
-            out.push_str("stopped by signal after draining; the next run resumes at the checkpoint\n");
+            out.push_str(
+                "stopped by signal after draining; the next run resumes at the checkpoint\n",
+            );
         }
         out
     }

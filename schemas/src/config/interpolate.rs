@@ -34,8 +34,14 @@ pub struct Interpolated {
 }
 
 /// Substitutes `${…}` references in `input`, reading variables through `lookup`.
-pub fn interpolate(input: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<Interpolated, InterpolateError> {
-    let mut out = Interpolated { value: String::with_capacity(input.len()), used: Vec::new() };
+pub fn interpolate(
+    input: &str,
+    lookup: &dyn Fn(&str) -> Option<String>,
+) -> Result<Interpolated, InterpolateError> {
+    let mut out = Interpolated {
+        value: String::with_capacity(input.len()),
+        used: Vec::new(),
+    };
     let rest = expand(input, lookup, &mut out, false)?;
     debug_assert!(rest.is_empty());
     Ok(out)
@@ -50,7 +56,11 @@ fn expand<'a>(
     nested: bool,
 ) -> Result<&'a str, InterpolateError> {
     loop {
-        let stop = if nested { input.find(['$', '}']) } else { input.find('$') };
+        let stop = if nested {
+            input.find(['$', '}'])
+        } else {
+            input.find('$')
+        };
         let Some(i) = stop else {
             if nested {
                 return Err(InterpolateError::Unterminated);
@@ -81,7 +91,9 @@ fn reference<'a>(
     lookup: &dyn Fn(&str) -> Option<String>,
     out: &mut Interpolated,
 ) -> Result<&'a str, InterpolateError> {
-    let end = input.find(['}', ':']).ok_or(InterpolateError::Unterminated)?;
+    let end = input
+        .find(['}', ':'])
+        .ok_or(InterpolateError::Unterminated)?;
     let name = &input[..end];
     if name.is_empty()
         || name.starts_with(|c: char| c.is_ascii_digit())
@@ -98,14 +110,20 @@ fn reference<'a>(
         return Ok(rest);
     }
     let Some(default) = after.strip_prefix(":-") else {
-        return Err(InterpolateError::BadName(format!("{name}{}", &after[..after.len().min(2)])));
+        return Err(InterpolateError::BadName(format!(
+            "{name}{}",
+            &after[..after.len().min(2)]
+        )));
     };
     match value.filter(|v| !v.is_empty()) {
         Some(v) => {
             out.value.push_str(&v);
             out.used.push(name.to_owned());
             // Skip the default without substituting it (its variables need not exist).
-            let mut skipped = Interpolated { value: String::new(), used: Vec::new() };
+            let mut skipped = Interpolated {
+                value: String::new(),
+                used: Vec::new(),
+            };
             expand(default, &|_| Some(String::new()), &mut skipped, true)
         }
         None => expand(default, lookup, out, true),
@@ -134,20 +152,30 @@ mod tests {
             ("${NOPE:-127.0.0.1}", Ok("127.0.0.1")),
             ("${EMPTY:-fallback}", Ok("fallback")),
             ("${HOST:-ignored}", Ok("db.internal")),
-            ("file://${OBJECT_STORE:-${PWD}/out}", Ok("file:///srv/app/out")),
+            (
+                "file://${OBJECT_STORE:-${PWD}/out}",
+                Ok("file:///srv/app/out"),
+            ),
             ("${QUOTED}", Ok(r#"pa"ss'w{o}rd"#)),
             ("cost: $5 and $$HOME", Ok("cost: $5 and $HOME")),
             ("${NOPE:-}", Ok("")),
             ("${NOPE}", Err(InterpolateError::Missing("NOPE".into()))),
             ("${HOST", Err(InterpolateError::Unterminated)),
-            ("${NOPE:-${ALSO_NOPE}}", Err(InterpolateError::Missing("ALSO_NOPE".into()))),
+            (
+                "${NOPE:-${ALSO_NOPE}}",
+                Err(InterpolateError::Missing("ALSO_NOPE".into())),
+            ),
             ("${HOST:-${ALSO_NOPE}}", Ok("db.internal")),
             ("${1BAD}", Err(InterpolateError::BadName("1BAD".into()))),
             ("${A-B}", Err(InterpolateError::BadName("A-B".into()))),
         ];
         for (input, want) in cases {
             let got = interpolate(input, &env).map(|i| i.value);
-            assert_eq!(got.as_deref().map_err(Clone::clone), want.clone(), "input {input:?}");
+            assert_eq!(
+                got.as_deref().map_err(Clone::clone),
+                want.clone(),
+                "input {input:?}"
+            );
         }
     }
 

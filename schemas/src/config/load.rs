@@ -12,11 +12,21 @@ use toml::de::{DeTable, DeValue};
 
 use super::interpolate::interpolate;
 use super::{
-    FileSourceConfig, NullSinkConfig, ObjectJsonSinkConfig, PipelineFile, PostgresSourceConfig, ReplicaProjectionConfig,
+    FileSourceConfig, NullSinkConfig, ObjectJsonSinkConfig, PipelineFile, PostgresSourceConfig,
+    ReplicaProjectionConfig,
 };
 
 /// Variable names whose values are secrets: masked by `plan` and never logged.
-const SECRET_WORDS: &[&str] = &["PASSWORD", "PASSWD", "SECRET", "TOKEN", "CREDENTIAL", "PRIVATE", "ACCESS_KEY", "API_KEY"];
+const SECRET_WORDS: &[&str] = &[
+    "PASSWORD",
+    "PASSWD",
+    "SECRET",
+    "TOKEN",
+    "CREDENTIAL",
+    "PRIVATE",
+    "ACCESS_KEY",
+    "API_KEY",
+];
 
 /// One configuration error, located in the file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,7 +104,13 @@ pub fn load(path: &Path) -> Result<LoadedPipeline, ConfigErrors> {
 /// The process environment, with `PWD` falling back to the working directory.
 fn environment(name: &str) -> Option<String> {
     std::env::var(name).ok().or_else(|| {
-        (name == "PWD").then(|| std::env::current_dir().ok().map(|d| d.display().to_string())).flatten()
+        (name == "PWD")
+            .then(|| {
+                std::env::current_dir()
+                    .ok()
+                    .map(|d| d.display().to_string())
+            })
+            .flatten()
     })
 }
 
@@ -106,7 +122,13 @@ pub fn load_str(
 ) -> Result<LoadedPipeline, ConfigErrors> {
     let at = |span: Option<Range<usize>>, path: String, message: String| {
         let (line, column) = span.map_or((1, 1), |s| line_col(text, s.start));
-        ConfigError { file: file.to_owned(), line, column, path, message }
+        ConfigError {
+            file: file.to_owned(),
+            line,
+            column,
+            path,
+            message,
+        }
     };
     let mut root = DeTable::parse(text)
         .map_err(|e| ConfigErrors(vec![at(e.span(), String::new(), e.message().to_owned())]))?;
@@ -133,15 +155,16 @@ pub fn load_str(
     }
 
     let snapshot = root.get_ref().clone();
-    let config: PipelineFile = match serde_path_to_error::deserialize(toml::de::Deserializer::from(root)) {
-        Ok(c) => c,
-        Err(e) => {
-            let path = e.path().to_string();
-            let inner = e.into_inner();
-            let (path, span, message) = refine(&snapshot, path, inner);
-            return Err(ConfigErrors(vec![at(span, path, message)]));
-        }
-    };
+    let config: PipelineFile =
+        match serde_path_to_error::deserialize(toml::de::Deserializer::from(root)) {
+            Ok(c) => c,
+            Err(e) => {
+                let path = e.path().to_string();
+                let inner = e.into_inner();
+                let (path, span, message) = refine(&snapshot, path, inner);
+                return Err(ConfigErrors(vec![at(span, path, message)]));
+            }
+        };
     let problems = config.validate();
     if !problems.is_empty() {
         let errors = problems
@@ -153,13 +176,23 @@ pub fn load_str(
             .collect();
         return Err(ConfigErrors(errors));
     }
-    Ok(LoadedPipeline { file: PathBuf::from(file), config, secret_paths, from_env })
+    Ok(LoadedPipeline {
+        file: PathBuf::from(file),
+        config,
+        secret_paths,
+        from_env,
+    })
 }
 
 type Report<'a> = dyn FnMut(&str, Result<Vec<String>, (Range<usize>, String)>) + 'a;
 
 /// Interpolates every string value below `value`, reporting each result with its path.
-fn walk(value: &mut Spanned<DeValue<'_>>, path: &mut String, lookup: &dyn Fn(&str) -> Option<String>, report: &mut Report<'_>) {
+fn walk(
+    value: &mut Spanned<DeValue<'_>>,
+    path: &mut String,
+    lookup: &dyn Fn(&str) -> Option<String>,
+    report: &mut Report<'_>,
+) {
     let span = value.span();
     match value.get_mut() {
         DeValue::String(s) => match interpolate(s, lookup) {
@@ -200,44 +233,78 @@ fn is_secret_name(var: &str) -> bool {
 /// Improves a deserialization error: finds its span when serde lost it, and for the tagged
 /// sections (`source`, `projections.X`, `sinks.X`), whose variants serde buffers without paths,
 /// deserializes the variant alone to name the exact field.
-fn refine(root: &DeTable<'_>, path: String, err: toml::de::Error) -> (String, Option<Range<usize>>, String) {
+fn refine(
+    root: &DeTable<'_>,
+    path: String,
+    err: toml::de::Error,
+) -> (String, Option<Range<usize>>, String) {
     let message = err.message().to_owned();
     let segments: Vec<&str> = path.split('.').collect();
-    let tagged = matches!(segments.as_slice(), ["source"] | ["projections", _] | ["sinks", _]);
+    let tagged = matches!(
+        segments.as_slice(),
+        ["source"] | ["projections", _] | ["sinks", _]
+    );
     if tagged {
         if message.contains("unknown variant") || message.contains("missing field `kind`") {
             let kind_path = format!("{path}.kind");
             let span = locate(root, &kind_path).or_else(|| locate(root, &path));
-            let shown = if message.contains("unknown variant") { kind_path } else { path };
+            let shown = if message.contains("unknown variant") {
+                kind_path
+            } else {
+                path
+            };
             return (shown, span, message);
         }
         if let Some(value) = lookup_value(root, &path) {
             if let Some((inner_path, inner)) = explain_variant(segments[0], value.clone()) {
-                let full = if inner_path.is_empty() || inner_path == "." { path.clone() } else { format!("{path}.{inner_path}") };
-                let span = unknown_field_span(root, &full, inner.message()).or(inner.span()).or_else(|| locate(root, &full));
+                let full = if inner_path.is_empty() || inner_path == "." {
+                    path.clone()
+                } else {
+                    format!("{path}.{inner_path}")
+                };
+                let span = unknown_field_span(root, &full, inner.message())
+                    .or(inner.span())
+                    .or_else(|| locate(root, &full));
                 return (full, span, inner.message().to_owned());
             }
         }
     }
-    let span = unknown_field_span(root, &path, &message).or(err.span()).or_else(|| locate(root, &path));
+    let span = unknown_field_span(root, &path, &message)
+        .or(err.span())
+        .or_else(|| locate(root, &path));
     (path, span, message)
 }
 
 /// For "unknown field `x`" errors, the span of that field (serde points at its table).
 fn unknown_field_span(root: &DeTable<'_>, path: &str, message: &str) -> Option<Range<usize>> {
     let field = message.strip_prefix("unknown field `")?.split('`').next()?;
-    let field_path = if path.ends_with(&format!(".{field}")) || path == field { path.to_owned() } else { format!("{path}.{field}") };
+    let field_path = if path.ends_with(&format!(".{field}")) || path == field {
+        path.to_owned()
+    } else {
+        format!("{path}.{field}")
+    };
     lookup_value(root, &field_path).map(Spanned::span)
 }
 
 /// Deserializes a tagged section as its concrete variant, returning the error's inner path.
-fn explain_variant(section: &str, mut value: Spanned<DeValue<'_>>) -> Option<(String, toml::de::Error)> {
-    let DeValue::Table(table) = value.get_mut() else { return None };
-    let kind = table.iter().find(|(k, _)| k.get_ref() == "kind").and_then(|(_, v)| match v.get_ref() {
-        DeValue::String(s) => Some(s.to_string()),
-        _ => None,
-    })?;
-    let kind_key = table.iter().find(|(k, _)| k.get_ref() == "kind").map(|(k, _)| k.clone())?;
+fn explain_variant(
+    section: &str,
+    mut value: Spanned<DeValue<'_>>,
+) -> Option<(String, toml::de::Error)> {
+    let DeValue::Table(table) = value.get_mut() else {
+        return None;
+    };
+    let kind = table
+        .iter()
+        .find(|(k, _)| k.get_ref() == "kind")
+        .and_then(|(_, v)| match v.get_ref() {
+            DeValue::String(s) => Some(s.to_string()),
+            _ => None,
+        })?;
+    let kind_key = table
+        .iter()
+        .find(|(k, _)| k.get_ref() == "kind")
+        .map(|(k, _)| k.clone())?;
     table.remove(&kind_key);
     let de = toml::de::ValueDeserializer::from(value);
     match (section, kind.as_str()) {
@@ -250,8 +317,12 @@ fn explain_variant(section: &str, mut value: Spanned<DeValue<'_>>) -> Option<(St
     }
 }
 
-fn first_error<T: DeserializeOwned>(de: toml::de::ValueDeserializer<'_>) -> Option<(String, toml::de::Error)> {
-    serde_path_to_error::deserialize::<_, T>(de).err().map(|e| (e.path().to_string(), e.into_inner()))
+fn first_error<T: DeserializeOwned>(
+    de: toml::de::ValueDeserializer<'_>,
+) -> Option<(String, toml::de::Error)> {
+    serde_path_to_error::deserialize::<_, T>(de)
+        .err()
+        .map(|e| (e.path().to_string(), e.into_inner()))
 }
 
 /// Finds the value at a dotted path (`sinks.out.url`, `projections.p.sinks[0]`).
@@ -269,7 +340,10 @@ fn lookup_value<'a, 'i>(root: &'a DeTable<'i>, path: &str) -> Option<&'a Spanned
                 _ => return None,
             },
         };
-        let mut value = table.iter().find(|(k, _)| k.get_ref() == name).map(|(_, v)| v)?;
+        let mut value = table
+            .iter()
+            .find(|(k, _)| k.get_ref() == name)
+            .map(|(_, v)| v)?;
         for index in indexes.split(['[', ']']).filter(|s| !s.is_empty()) {
             let i: usize = index.parse().ok()?;
             value = match value.get_ref() {

@@ -222,17 +222,30 @@ pub enum ProjectionConfig {
 impl PostgresSourceConfig {
     /// The slot name, defaulting to `refract_{pipeline}`.
     pub fn slot_name(&self, pipeline: &str) -> String {
-        self.slot.clone().unwrap_or_else(|| default_pg_name(pipeline))
+        self.slot
+            .clone()
+            .unwrap_or_else(|| default_pg_name(pipeline))
     }
 
     /// The publication name, defaulting to `refract_{pipeline}`.
     pub fn publication_name(&self, pipeline: &str) -> String {
-        self.publication.clone().unwrap_or_else(|| default_pg_name(pipeline))
+        self.publication
+            .clone()
+            .unwrap_or_else(|| default_pg_name(pipeline))
     }
 }
 
 fn default_pg_name(pipeline: &str) -> String {
-    let name: String = pipeline.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect();
+    let name: String = pipeline
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
     format!("refract_{name}")
 }
 

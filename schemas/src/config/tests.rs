@@ -28,7 +28,9 @@ fn env(name: &str) -> Option<String> {
 }
 
 fn errors(text: &str) -> Vec<ConfigError> {
-    load_str("p.toml", text, &env).expect_err("the file must be rejected").0
+    load_str("p.toml", text, &env)
+        .expect_err("the file must be rejected")
+        .0
 }
 
 #[test]
@@ -38,16 +40,23 @@ fn a_good_file_loads_with_defaults_and_interpolation() {
     assert_eq!(c.pipeline.state_dir, "./state");
     assert_eq!(c.pipeline.batch, BatchConfig::default());
     assert_eq!(c.pipeline.on_error, OnError::DeadLetter);
-    let SinkConfig::ObjectJson(s) = &c.sinks["objects"] else { panic!() };
+    let SinkConfig::ObjectJson(s) = &c.sinks["objects"] else {
+        panic!()
+    };
     assert_eq!(s.url, "file:///srv/out");
-    assert_eq!(loaded.from_env["sinks.objects.url"], vec!["PWD".to_string()]);
+    assert_eq!(
+        loaded.from_env["sinks.objects.url"],
+        vec!["PWD".to_string()]
+    );
 }
 
 #[test]
 fn a_value_with_quotes_cannot_break_the_file() {
     let text = GOOD.replace("${LOG:-changes.jsonl}", "/logs/${DB_PASSWORD}.jsonl");
     let loaded = load_str("p.toml", &text, &env).unwrap();
-    let SourceConfig::File(f) = &loaded.config.source else { panic!("a file source") };
+    let SourceConfig::File(f) = &loaded.config.source else {
+        panic!("a file source")
+    };
     assert_eq!(f.path, r#"/logs/p"a'ss]=x.jsonl"#);
     assert!(loaded.secret_paths.contains("source.path"));
 }
@@ -56,15 +65,78 @@ fn a_value_with_quotes_cannot_break_the_file() {
 #[test]
 fn each_error_names_line_and_field_path() {
     let cases: &[(&str, &str, &str, usize, &str, &str)] = &[
-        ("misspelt field", "url = \"${OBJECT", "urll = \"${OBJECT", 17, "sinks.objects.urll", "unknown field `urll`"),
-        ("wrong type", "name = \"demo\"", "name = 42", 3, "pipeline.name", "invalid type: integer `42`"),
-        ("missing variable", "${LOG:-changes.jsonl}", "${CHANGE_LOG}", 8, "source.path", "`CHANGE_LOG` is not set"),
-        ("unknown kind", "kind = \"object_json\"", "kind = \"objekt_json\"", 16, "sinks.objects.kind", "unknown variant `objekt_json`"),
-        ("bad nested type", "sinks = [\"objects\"]", "sinks = \"objects\"", 13, "projections.replica.sinks", "invalid type: string"),
-        ("range", "url = \"${OBJECT", "concurrency = 0\nurl = \"${OBJECT", 17, "sinks.objects.concurrency", "between 1 and 1024"),
-        ("unknown sink", "sinks = [\"objects\"]", "sinks = [\"objects\", \"cache\"]", 13, "projections.replica.sinks[1]", "no sink named `cache`"),
-        ("section field", "state_dir =", "statedir =", 4, "pipeline.statedir", "unknown field `statedir`"),
-        ("relative file url", "${OBJECT_STORE_URL:-file://${PWD}/out}", "file://out", 17, "sinks.objects.url", "absolute file URL"),
+        (
+            "misspelt field",
+            "url = \"${OBJECT",
+            "urll = \"${OBJECT",
+            17,
+            "sinks.objects.urll",
+            "unknown field `urll`",
+        ),
+        (
+            "wrong type",
+            "name = \"demo\"",
+            "name = 42",
+            3,
+            "pipeline.name",
+            "invalid type: integer `42`",
+        ),
+        (
+            "missing variable",
+            "${LOG:-changes.jsonl}",
+            "${CHANGE_LOG}",
+            8,
+            "source.path",
+            "`CHANGE_LOG` is not set",
+        ),
+        (
+            "unknown kind",
+            "kind = \"object_json\"",
+            "kind = \"objekt_json\"",
+            16,
+            "sinks.objects.kind",
+            "unknown variant `objekt_json`",
+        ),
+        (
+            "bad nested type",
+            "sinks = [\"objects\"]",
+            "sinks = \"objects\"",
+            13,
+            "projections.replica.sinks",
+            "invalid type: string",
+        ),
+        (
+            "range",
+            "url = \"${OBJECT",
+            "concurrency = 0\nurl = \"${OBJECT",
+            17,
+            "sinks.objects.concurrency",
+            "between 1 and 1024",
+        ),
+        (
+            "unknown sink",
+            "sinks = [\"objects\"]",
+            "sinks = [\"objects\", \"cache\"]",
+            13,
+            "projections.replica.sinks[1]",
+            "no sink named `cache`",
+        ),
+        (
+            "section field",
+            "state_dir =",
+            "statedir =",
+            4,
+            "pipeline.statedir",
+            "unknown field `statedir`",
+        ),
+        (
+            "relative file url",
+            "${OBJECT_STORE_URL:-file://${PWD}/out}",
+            "file://out",
+            17,
+            "sinks.objects.url",
+            "absolute file URL",
+        ),
     ];
     for (name, from, to, line, path, words) in cases {
         assert!(GOOD.contains(from), "{name}: edit does not apply");
@@ -73,7 +145,10 @@ fn each_error_names_line_and_field_path() {
         let e = &errs[0];
         assert_eq!((e.line, e.path.as_str()), (*line, *path), "{name}: {e}");
         assert!(e.message.contains(words), "{name}: {e}");
-        assert!(e.to_string().starts_with(&format!("p.toml:{line}:")), "{name}: {e}");
+        assert!(
+            e.to_string().starts_with(&format!("p.toml:{line}:")),
+            "{name}: {e}"
+        );
     }
 }
 

@@ -4,7 +4,9 @@
 use super::{PipelineFile, ProjectionConfig, SinkConfig, SourceConfig};
 
 /// Object-store URL schemes refract can write to.
-const OBJECT_STORE_SCHEMES: &[&str] = &["file", "memory", "s3", "s3a", "gs", "az", "adl", "azure", "abfs", "abfss", "http", "https"];
+const OBJECT_STORE_SCHEMES: &[&str] = &[
+    "file", "memory", "s3", "s3a", "gs", "az", "adl", "azure", "abfs", "abfss", "http", "https",
+];
 
 impl PipelineFile {
     /// Checks the rules serde cannot express; returns `(field path, problem)` pairs.
@@ -13,20 +15,57 @@ impl PipelineFile {
         let mut problem = |path: &str, message: String| problems.push((path.to_owned(), message));
         let p = &self.pipeline;
 
-        if p.name.is_empty() || !p.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
-            problem("pipeline.name", format!("`{}` must be non-empty letters, digits, `-` or `_`", p.name));
+        if p.name.is_empty()
+            || !p
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            problem(
+                "pipeline.name",
+                format!("`{}` must be non-empty letters, digits, `-` or `_`", p.name),
+            );
         }
         if p.state_dir.is_empty() {
             problem("pipeline.state_dir", "must not be empty".into());
         }
-        range(&mut problem, "pipeline.batch.max_events", p.batch.max_events as u64, 1, 1_000_000);
-        range(&mut problem, "pipeline.batch.max_bytes", p.batch.max_bytes, 1024, 1 << 30);
-        range(&mut problem, "pipeline.batch.max_delay_ms", p.batch.max_delay_ms, 0, 60_000);
-        range(&mut problem, "pipeline.queue_depth", p.queue_depth as u64, 1, 64);
+        range(
+            &mut problem,
+            "pipeline.batch.max_events",
+            p.batch.max_events as u64,
+            1,
+            1_000_000,
+        );
+        range(
+            &mut problem,
+            "pipeline.batch.max_bytes",
+            p.batch.max_bytes,
+            1024,
+            1 << 30,
+        );
+        range(
+            &mut problem,
+            "pipeline.batch.max_delay_ms",
+            p.batch.max_delay_ms,
+            0,
+            60_000,
+        );
+        range(
+            &mut problem,
+            "pipeline.queue_depth",
+            p.queue_depth as u64,
+            1,
+            64,
+        );
         match (&p.dead_letter.path, &p.dead_letter.url) {
-            (Some(_), Some(_)) => problem("pipeline.dead_letter", "set `path` or `url`, not both".into()),
+            (Some(_), Some(_)) => problem(
+                "pipeline.dead_letter",
+                "set `path` or `url`, not both".into(),
+            ),
             (_, Some(url)) => object_store_url(&mut problem, "pipeline.dead_letter.url", url),
-            (Some(path), None) if path.is_empty() => problem("pipeline.dead_letter.path", "must not be empty".into()),
+            (Some(path), None) if path.is_empty() => {
+                problem("pipeline.dead_letter.path", "must not be empty".into())
+            }
             _ => {}
         }
 
@@ -35,54 +74,101 @@ impl PipelineFile {
                 if f.path.is_empty() {
                     problem("source.path", "must not be empty".into());
                 }
-                range(&mut problem, "source.poll_interval_ms", f.poll_interval_ms, 10, 60_000);
-                range(&mut problem, "source.decode_threads", f.decode_threads as u64, 0, 64);
+                range(
+                    &mut problem,
+                    "source.poll_interval_ms",
+                    f.poll_interval_ms,
+                    10,
+                    60_000,
+                );
+                range(
+                    &mut problem,
+                    "source.decode_threads",
+                    f.decode_threads as u64,
+                    0,
+                    64,
+                );
             }
             SourceConfig::Postgres(pg) => {
                 if !(pg.url.starts_with("postgres://") || pg.url.starts_with("postgresql://")) {
-                    problem("source.url", format!("`{}` is not a postgres:// URL", mask_url(&pg.url)));
+                    problem(
+                        "source.url",
+                        format!("`{}` is not a postgres:// URL", mask_url(&pg.url)),
+                    );
                 }
-                for (field, name) in [("source.slot", &pg.slot), ("source.publication", &pg.publication)] {
+                for (field, name) in [
+                    ("source.slot", &pg.slot),
+                    ("source.publication", &pg.publication),
+                ] {
                     if let Some(n) = name {
-                        if n.is_empty() || n.len() > 63 || !n.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_') {
-                            problem(field, format!("`{n}` must be 1 to 63 lower-case letters, digits or `_`"));
+                        if n.is_empty()
+                            || n.len() > 63
+                            || !n
+                                .chars()
+                                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                        {
+                            problem(
+                                field,
+                                format!("`{n}` must be 1 to 63 lower-case letters, digits or `_`"),
+                            );
                         }
                     }
                 }
                 for (i, t) in pg.tables.iter().enumerate() {
                     if t.split('.').count() != 2 || t.contains(['"', ';', ' ']) {
-                        problem(&format!("source.tables[{i}]"), format!("`{t}` must be written `schema.table` or `schema.*`"));
+                        problem(
+                            &format!("source.tables[{i}]"),
+                            format!("`{t}` must be written `schema.table` or `schema.*`"),
+                        );
                     }
                 }
             }
         }
 
         if self.projections.is_empty() {
-            problem("projections", "a pipeline needs at least one projection".into());
+            problem(
+                "projections",
+                "a pipeline needs at least one projection".into(),
+            );
         }
         for (name, projection) in &self.projections {
             let base = format!("projections.{name}");
             if projection.sinks().is_empty() {
-                problem(&format!("{base}.sinks"), "must name at least one sink".into());
+                problem(
+                    &format!("{base}.sinks"),
+                    "must name at least one sink".into(),
+                );
             }
             for (i, sink) in projection.sinks().iter().enumerate() {
                 if !self.sinks.contains_key(sink) {
                     let known: Vec<&str> = self.sinks.keys().map(String::as_str).collect();
-                    problem(&format!("{base}.sinks[{i}]"), format!("no sink named `{sink}` (sinks: {})", known.join(", ")));
+                    problem(
+                        &format!("{base}.sinks[{i}]"),
+                        format!("no sink named `{sink}` (sinks: {})", known.join(", ")),
+                    );
                 }
             }
             match projection {
                 ProjectionConfig::Replica(r) => {
                     if r.default_key.is_empty() {
-                        problem(&format!("{base}.default_key"), "must name at least one column".into());
+                        problem(
+                            &format!("{base}.default_key"),
+                            "must name at least one column".into(),
+                        );
                     }
                     for (table, cols) in &r.key_columns {
                         if cols.is_empty() {
-                            problem(&format!("{base}.key_columns.{table}"), "must name at least one column".into());
+                            problem(
+                                &format!("{base}.key_columns.{table}"),
+                                "must name at least one column".into(),
+                            );
                         }
                     }
                     if r.collection.is_empty() || r.collection.contains('/') {
-                        problem(&format!("{base}.collection"), format!("`{}` must be non-empty and contain no `/`", r.collection));
+                        problem(
+                            &format!("{base}.collection"),
+                            format!("`{}` must be non-empty and contain no `/`", r.collection),
+                        );
                     }
                 }
             }
@@ -91,12 +177,21 @@ impl PipelineFile {
         for (name, sink) in &self.sinks {
             let base = format!("sinks.{name}");
             if !self.projections.values().any(|p| p.sinks().contains(name)) {
-                problem(&base, format!("sink `{name}` is not written by any projection"));
+                problem(
+                    &base,
+                    format!("sink `{name}` is not written by any projection"),
+                );
             }
             match sink {
                 SinkConfig::ObjectJson(s) => {
                     object_store_url(&mut problem, &format!("{base}.url"), &s.url);
-                    range(&mut problem, &format!("{base}.concurrency"), s.concurrency as u64, 1, 1024);
+                    range(
+                        &mut problem,
+                        &format!("{base}.concurrency"),
+                        s.concurrency as u64,
+                        1,
+                        1024,
+                    );
                 }
                 SinkConfig::Null(_) => {}
             }
@@ -107,33 +202,60 @@ impl PipelineFile {
 
 fn range(problem: &mut impl FnMut(&str, String), path: &str, value: u64, min: u64, max: u64) {
     if value < min || value > max {
-        problem(path, format!("must be between {min} and {max}, found {value}"));
+        problem(
+            path,
+            format!("must be between {min} and {max}, found {value}"),
+        );
     }
 }
 
 fn object_store_url(problem: &mut impl FnMut(&str, String), path: &str, url: &str) {
     let Some((scheme, rest)) = url.split_once("://") else {
-        problem(path, format!("`{}` is not a URL (expected `file:///abs/dir`, `s3://bucket/prefix`, ...)", mask_url(url)));
+        problem(
+            path,
+            format!(
+                "`{}` is not a URL (expected `file:///abs/dir`, `s3://bucket/prefix`, ...)",
+                mask_url(url)
+            ),
+        );
         return;
     };
     if !OBJECT_STORE_SCHEMES.contains(&scheme) {
-        problem(path, format!("unsupported scheme `{scheme}` (supported: {})", OBJECT_STORE_SCHEMES.join(", ")));
+        problem(
+            path,
+            format!(
+                "unsupported scheme `{scheme}` (supported: {})",
+                OBJECT_STORE_SCHEMES.join(", ")
+            ),
+        );
     } else if scheme == "file" && !rest.starts_with('/') {
-        problem(path, format!("`{}` must be an absolute file URL (`file:///abs/dir`)", mask_url(url)));
+        problem(
+            path,
+            format!(
+                "`{}` must be an absolute file URL (`file:///abs/dir`)",
+                mask_url(url)
+            ),
+        );
     }
 }
 
 /// Hides the password of a URL's user-info (`scheme://user:secret@host` → `scheme://user:***@host`).
 pub fn mask_url(value: &str) -> String {
-    let Some((scheme, rest)) = value.split_once("://") else { return value.to_owned() };
+    let Some((scheme, rest)) = value.split_once("://") else {
+        return value.to_owned();
+    };
     let authority_end = rest.find('/').unwrap_or(rest.len());
     let authority = &rest[..authority_end];
-    let Some(at) = authority.rfind('@') else { return value.to_owned() };
+    let Some(at) = authority.rfind('@') else {
+        return value.to_owned();
+    };
     let userinfo = &authority[..at];
     let masked = match userinfo.split_once(':') {
         Some((user, _)) => format!("{user}:***"),
         // A lone user name is not a secret, except where the scheme puts a token there.
-        None if scheme.starts_with("postgres") || scheme.starts_with("mysql") => return value.to_owned(),
+        None if scheme.starts_with("postgres") || scheme.starts_with("mysql") => {
+            return value.to_owned();
+        }
         None => "***".to_owned(),
     };
     format!("{scheme}://{masked}{}", &rest[at..])
@@ -145,7 +267,10 @@ mod tests {
 
     #[test]
     fn masks_url_passwords() {
-        assert_eq!(mask_url("postgres://app:s3cr\"et@db:5432/x"), "postgres://app:***@db:5432/x");
+        assert_eq!(
+            mask_url("postgres://app:s3cr\"et@db:5432/x"),
+            "postgres://app:***@db:5432/x"
+        );
         assert_eq!(mask_url("redis://token@cache"), "redis://***@cache");
         assert_eq!(mask_url("postgres://app@db/x"), "postgres://app@db/x");
         assert_eq!(mask_url("file:///tmp/out"), "file:///tmp/out");

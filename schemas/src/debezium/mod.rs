@@ -19,8 +19,8 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
-use serde_json::value::RawValue;
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 use crate::event::{
     ChangeEvent, KafkaCoordinates, Op, Position, Record, Row, SourceInfo, TableId, TxBoundary,
@@ -114,7 +114,10 @@ impl Interner {
             self.last_table = Some(t.clone());
             return t;
         }
-        let t = TableId { schema: key.0.clone(), name: key.1.clone() };
+        let t = TableId {
+            schema: key.0.clone(),
+            name: key.1.clone(),
+        };
         self.tables.insert(key, t.clone());
         self.last_table = Some(t.clone());
         t
@@ -232,7 +235,10 @@ impl DebeziumDecoder {
 
     /// Decodes one record (one line of a change log, or one Kafka value).
     pub fn decode(&mut self, bytes: &[u8], position: Position) -> Result<Record, DecodeError> {
-        let fail = |reason: String| DecodeError { position: position.clone(), reason };
+        let fail = |reason: String| DecodeError {
+            position: position.clone(),
+            reason,
+        };
         if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
             let reason = match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
                 Err(e) => json_reason(&e),
@@ -242,16 +248,24 @@ impl DebeziumDecoder {
         }
         // Fast path: the bare envelope, parsed by simd-json. Anything else, including every
         // error, takes the general serde_json path, which also words the errors.
-        let Self { scratch, buffers, names, .. } = self;
+        let Self {
+            scratch,
+            buffers,
+            names,
+            ..
+        } = self;
         scratch.clear();
         scratch.extend_from_slice(bytes);
         let buffers = buffers.get_or_insert_with(|| simd_json::Buffers::new(bytes.len()));
-        if let Ok(envelope) = simd_json::serde::from_slice_with_buffers::<Envelope<'_>>(scratch, buffers) {
+        if let Ok(envelope) =
+            simd_json::serde::from_slice_with_buffers::<Envelope<'_>>(scratch, buffers)
+        {
             if envelope.is_bare() {
                 return build(envelope, None, &position, names).map_err(fail);
             }
         }
-        let raw: RawRecord<'_> = serde_json::from_slice(bytes).map_err(|e| fail(json_reason(&e)))?;
+        let raw: RawRecord<'_> =
+            serde_json::from_slice(bytes).map_err(|e| fail(json_reason(&e)))?;
         self.decode_record(raw, &position).map_err(fail)
     }
 
@@ -302,8 +316,11 @@ impl DebeziumDecoder {
             let Value::Object(mut row) = payload else {
                 return Ok(None);
             };
-            let converter = logical::RowSchema::compile(&schema).map_err(|e| format!("key schema: {e}"))?;
-            converter.convert(&mut row).map_err(|e| format!("key: {e}"))?;
+            let converter =
+                logical::RowSchema::compile(&schema).map_err(|e| format!("key schema: {e}"))?;
+            converter
+                .convert(&mut row)
+                .map_err(|e| format!("key: {e}"))?;
             return Ok(Some(row));
         }
         Ok(Some(obj))
@@ -358,7 +375,11 @@ fn build(
     let Some(table) = source.table.as_deref() else {
         return Err("missing `source.table`".into());
     };
-    let schema_name = source.schema.as_deref().or(source.db.as_deref()).unwrap_or_default();
+    let schema_name = source
+        .schema
+        .as_deref()
+        .or(source.db.as_deref())
+        .unwrap_or_default();
     let table = names.table(schema_name, table);
 
     let mut before = env.before;
@@ -389,7 +410,11 @@ fn build(
         None => None,
     };
     let kafka = match (source.topic.clone(), source.partition, source.offset) {
-        (Some(topic), Some(partition), Some(offset)) => Some(KafkaCoordinates { topic, partition, offset }),
+        (Some(topic), Some(partition), Some(offset)) => Some(KafkaCoordinates {
+            topic,
+            partition,
+            offset,
+        }),
         _ => None,
     };
     Ok(Record::Change(ChangeEvent {
@@ -421,11 +446,23 @@ fn transaction_marker(
     let status = match status.as_deref() {
         Some("BEGIN") => TxStatus::Begin,
         Some("END") => TxStatus::End,
-        Some(other) => return Err(format!("unknown transaction status `{other}` (expected BEGIN or END)")),
+        Some(other) => {
+            return Err(format!(
+                "unknown transaction status `{other}` (expected BEGIN or END)"
+            ));
+        }
         None => return Err("missing `op` (not a change event nor a transaction marker)".into()),
     };
-    let id = id.and_then(id_string).ok_or("transaction marker without a string `id`")?;
-    Ok(Record::Transaction(TxBoundary { status, id, event_count, ts_ms, position: position.clone() }))
+    let id = id
+        .and_then(id_string)
+        .ok_or("transaction marker without a string `id`")?;
+    Ok(Record::Transaction(TxBoundary {
+        status,
+        id,
+        event_count,
+        ts_ms,
+        position: position.clone(),
+    }))
 }
 
 fn id_string(v: Value) -> Option<String> {

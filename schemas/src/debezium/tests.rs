@@ -3,7 +3,10 @@ use serde_json::json;
 use super::*;
 
 fn pos(n: u64) -> Position {
-    Position { partition: "test".into(), offset: crate::event::Offset(n, 0) }
+    Position {
+        partition: "test".into(),
+        offset: crate::event::Offset(n, 0),
+    }
 }
 
 fn decode(line: &str) -> Result<Record, DecodeError> {
@@ -74,28 +77,59 @@ fn key_value_records_and_tombstones() {
     );
     assert_eq!(e.key.as_deref().unwrap()["id"], 42);
     assert_eq!(e.op, Op::Delete);
-    assert_eq!(decode(r#"{"key":{"id":42},"value":null}"#).unwrap(), Record::Tombstone(pos(7)));
+    assert_eq!(
+        decode(r#"{"key":{"id":42},"value":null}"#).unwrap(),
+        Record::Tombstone(pos(7))
+    );
 }
 
 #[test]
 fn transaction_markers() {
-    let begin = decode(r#"{"status":"BEGIN","id":"571","event_count":null,"data_collections":null,"ts_ms":1}"#).unwrap();
-    let Record::Transaction(b) = begin else { panic!() };
+    let begin = decode(
+        r#"{"status":"BEGIN","id":"571","event_count":null,"data_collections":null,"ts_ms":1}"#,
+    )
+    .unwrap();
+    let Record::Transaction(b) = begin else {
+        panic!()
+    };
     assert_eq!((b.status, b.id.as_str()), (TxStatus::Begin, "571"));
-    let end = decode(r#"{"status":"END","id":"571","event_count":2,"data_collections":[]}"#).unwrap();
-    let Record::Transaction(e) = end else { panic!() };
+    let end =
+        decode(r#"{"status":"END","id":"571","event_count":2,"data_collections":[]}"#).unwrap();
+    let Record::Transaction(e) = end else {
+        panic!()
+    };
     assert_eq!((e.status, e.event_count), (TxStatus::End, Some(2)));
 }
 
 #[test]
 fn bad_input_names_position_and_reason() {
     let cases = [
-        ("truncated", r#"{"before":null,"after":{"id":1},"op":"c","sour"#, "truncated JSON"),
+        (
+            "truncated",
+            r#"{"before":null,"after":{"id":1},"op":"c","sour"#,
+            "truncated JSON",
+        ),
         ("not json", "hello world", "invalid JSON"),
-        ("unknown op", r#"{"after":{"id":1},"op":"x","source":{"table":"t"}}"#, "unknown op `x`"),
-        ("no source", r#"{"after":{"id":1},"op":"c"}"#, "missing `source` block"),
-        ("no table", r#"{"after":{"id":1},"op":"c","source":{}}"#, "missing `source.table`"),
-        ("create without after", r#"{"before":null,"after":null,"op":"c","source":{"table":"t"}}"#, "without an `after`"),
+        (
+            "unknown op",
+            r#"{"after":{"id":1},"op":"x","source":{"table":"t"}}"#,
+            "unknown op `x`",
+        ),
+        (
+            "no source",
+            r#"{"after":{"id":1},"op":"c"}"#,
+            "missing `source` block",
+        ),
+        (
+            "no table",
+            r#"{"after":{"id":1},"op":"c","source":{}}"#,
+            "missing `source.table`",
+        ),
+        (
+            "create without after",
+            r#"{"before":null,"after":null,"op":"c","source":{"table":"t"}}"#,
+            "without an `after`",
+        ),
         ("neither", r#"{"hello":1}"#, "missing `op`"),
         ("array", "[1,2]", "unexpected record shape"),
         (
@@ -125,7 +159,9 @@ fn schema_cache_serves_repeated_schemas() {
         )
     };
     for (b64, want) in [("MDk=", "1234.5"), ("AQ==", "0.1")] {
-        let Record::Change(e) = d.decode(line(b64).as_bytes(), pos(1)).unwrap() else { panic!() };
+        let Record::Change(e) = d.decode(line(b64).as_bytes(), pos(1)).unwrap() else {
+            panic!()
+        };
         assert_eq!(e.after.as_deref().unwrap()["p"], want);
     }
     assert_eq!(d.schemas.len(), 1);

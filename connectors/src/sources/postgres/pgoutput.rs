@@ -193,7 +193,10 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn fail<T>(&self, reason: impl Into<String>) -> Result<T, PgOutputError> {
-        Err(PgOutputError { offset: self.pos, reason: reason.into() })
+        Err(PgOutputError {
+            offset: self.pos,
+            reason: reason.into(),
+        })
     }
 
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], PgOutputError> {
@@ -204,7 +207,10 @@ impl<'a> Reader<'a> {
                 self.pos = end;
                 Ok(s)
             }
-            None => self.fail(format!("{what}: needs {n} bytes, {} left", buf.len() - self.pos)),
+            None => self.fail(format!(
+                "{what}: needs {n} bytes, {} left",
+                buf.len() - self.pos
+            )),
         }
     }
 
@@ -249,7 +255,9 @@ impl<'a> Reader<'a> {
         // Each column takes at least one byte: a count beyond the input is malformed, and checking
         // it first keeps a hostile count from reserving memory.
         if n > self.buf.len() - self.pos {
-            return self.fail(format!("tuple claims {n} columns, more than the bytes left"));
+            return self.fail(format!(
+                "tuple claims {n} columns, more than the bytes left"
+            ));
         }
         let mut tuple = Vec::with_capacity(n);
         for _ in 0..n {
@@ -261,7 +269,11 @@ impl<'a> Reader<'a> {
                     let start = self.pos;
                     self.take(len, "column value")?;
                     let value = self.buf.slice(start..start + len);
-                    if kind == b't' { Datum::Text(value) } else { Datum::Binary(value) }
+                    if kind == b't' {
+                        Datum::Text(value)
+                    } else {
+                        Datum::Binary(value)
+                    }
                 }
                 other => return self.fail(format!("unknown column kind {:?}", other as char)),
             };
@@ -271,7 +283,11 @@ impl<'a> Reader<'a> {
     }
 
     fn done(&self) -> Result<(), PgOutputError> {
-        if self.pos == self.buf.len() { Ok(()) } else { self.fail(format!("{} trailing bytes", self.buf.len() - self.pos)) }
+        if self.pos == self.buf.len() {
+            Ok(())
+        } else {
+            self.fail(format!("{} trailing bytes", self.buf.len() - self.pos))
+        }
     }
 }
 
@@ -287,12 +303,23 @@ pub fn decode(buf: &Bytes, in_stream: bool) -> Result<Message, PgOutputError> {
         Ok(())
     };
     let message = match tag {
-        b'B' => Message::Begin { final_lsn: r.u64("final LSN")?, commit_time_us: r.timestamp("commit time")?, xid: r.u32("xid")? },
+        b'B' => Message::Begin {
+            final_lsn: r.u64("final LSN")?,
+            commit_time_us: r.timestamp("commit time")?,
+            xid: r.u32("xid")?,
+        },
         b'C' => {
             r.u8("commit flags")?;
-            Message::Commit { commit_lsn: r.u64("commit LSN")?, end_lsn: r.u64("end LSN")?, commit_time_us: r.timestamp("commit time")? }
+            Message::Commit {
+                commit_lsn: r.u64("commit LSN")?,
+                end_lsn: r.u64("end LSN")?,
+                commit_time_us: r.timestamp("commit time")?,
+            }
         }
-        b'O' => Message::Origin { lsn: r.u64("origin LSN")?, name: r.cstring("origin name")? },
+        b'O' => Message::Origin {
+            lsn: r.u64("origin LSN")?,
+            name: r.cstring("origin name")?,
+        },
         b'R' => {
             streamed_xid(&mut r)?;
             let id = r.u32("relation id")?;
@@ -313,17 +340,30 @@ pub fn decode(buf: &Bytes, in_stream: bool) -> Result<Message, PgOutputError> {
                     type_modifier: r.i32("column type modifier")?,
                 });
             }
-            Message::Relation(Relation { id, namespace, name, replica_identity, columns })
+            Message::Relation(Relation {
+                id,
+                namespace,
+                name,
+                replica_identity,
+                columns,
+            })
         }
         b'Y' => {
             streamed_xid(&mut r)?;
-            Message::Type { id: r.u32("type id")?, namespace: r.cstring("type namespace")?, name: r.cstring("type name")? }
+            Message::Type {
+                id: r.u32("type id")?,
+                namespace: r.cstring("type namespace")?,
+                name: r.cstring("type name")?,
+            }
         }
         b'I' => {
             streamed_xid(&mut r)?;
             let relation = r.u32("relation id")?;
             match r.u8("insert tuple marker")? {
-                b'N' => Message::Insert { relation, new: r.tuple()? },
+                b'N' => Message::Insert {
+                    relation,
+                    new: r.tuple()?,
+                },
                 other => return r.fail(format!("insert expects 'N', found {:?}", other as char)),
             }
         }
@@ -331,14 +371,24 @@ pub fn decode(buf: &Bytes, in_stream: bool) -> Result<Message, PgOutputError> {
             streamed_xid(&mut r)?;
             let relation = r.u32("relation id")?;
             let (old, marker) = match r.u8("update tuple marker")? {
-                b'K' => (Some((OldKind::Key, r.tuple()?)), r.u8("update new-tuple marker")?),
-                b'O' => (Some((OldKind::Full, r.tuple()?)), r.u8("update new-tuple marker")?),
+                b'K' => (
+                    Some((OldKind::Key, r.tuple()?)),
+                    r.u8("update new-tuple marker")?,
+                ),
+                b'O' => (
+                    Some((OldKind::Full, r.tuple()?)),
+                    r.u8("update new-tuple marker")?,
+                ),
                 other => (None, other),
             };
             if marker != b'N' {
                 return r.fail(format!("update expects 'N', found {:?}", marker as char));
             }
-            Message::Update { relation, old, new: r.tuple()? }
+            Message::Update {
+                relation,
+                old,
+                new: r.tuple()?,
+            }
         }
         b'D' => {
             streamed_xid(&mut r)?;
@@ -346,9 +396,17 @@ pub fn decode(buf: &Bytes, in_stream: bool) -> Result<Message, PgOutputError> {
             let kind = match r.u8("delete tuple marker")? {
                 b'K' => OldKind::Key,
                 b'O' => OldKind::Full,
-                other => return r.fail(format!("delete expects 'K' or 'O', found {:?}", other as char)),
+                other => {
+                    return r.fail(format!(
+                        "delete expects 'K' or 'O', found {:?}",
+                        other as char
+                    ));
+                }
             };
-            Message::Delete { relation, old: (kind, r.tuple()?) }
+            Message::Delete {
+                relation,
+                old: (kind, r.tuple()?),
+            }
         }
         b'T' => {
             streamed_xid(&mut r)?;
@@ -357,7 +415,9 @@ pub fn decode(buf: &Bytes, in_stream: bool) -> Result<Message, PgOutputError> {
             if n > buf.len() / 4 {
                 return r.fail(format!("truncate claims {n} relations"));
             }
-            let relations = (0..n).map(|_| r.u32("relation id")).collect::<Result<_, _>>()?;
+            let relations = (0..n)
+                .map(|_| r.u32("relation id"))
+                .collect::<Result<_, _>>()?;
             Message::Truncate { options, relations }
         }
         b'M' => {
@@ -368,9 +428,17 @@ pub fn decode(buf: &Bytes, in_stream: bool) -> Result<Message, PgOutputError> {
             let len = r.u32("message length")? as usize;
             let start = r.pos;
             r.take(len, "message content")?;
-            Message::LogicalMessage { transactional, lsn, prefix, content: buf.slice(start..start + len) }
+            Message::LogicalMessage {
+                transactional,
+                lsn,
+                prefix,
+                content: buf.slice(start..start + len),
+            }
         }
-        b'S' => Message::StreamStart { xid: r.u32("xid")?, first_segment: r.u8("first segment")? == 1 },
+        b'S' => Message::StreamStart {
+            xid: r.u32("xid")?,
+            first_segment: r.u8("first segment")? == 1,
+        },
         b'E' => Message::StreamStop,
         b'c' => {
             let xid = r.u32("xid")?;
@@ -382,7 +450,10 @@ pub fn decode(buf: &Bytes, in_stream: bool) -> Result<Message, PgOutputError> {
                 commit_time_us: r.timestamp("commit time")?,
             }
         }
-        b'A' => Message::StreamAbort { xid: r.u32("xid")?, subxid: r.u32("subxid")? },
+        b'A' => Message::StreamAbort {
+            xid: r.u32("xid")?,
+            subxid: r.u32("subxid")?,
+        },
         other => return r.fail(format!("unknown message type {:?}", other as char)),
     };
     r.done()?;

@@ -17,7 +17,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, TlsConfig, client::ReplicationEvent};
+use pgwire_replication::{
+    Lsn, ReplicationClient, ReplicationConfig, TlsConfig, client::ReplicationEvent,
+};
 use refract_schemas::config::PostgresSourceConfig;
 use refract_schemas::debezium::DecodeError;
 use refract_schemas::event::{SourceInfo, TxBoundary, TxInfo, TxStatus};
@@ -56,13 +58,23 @@ impl PostgresSource {
         let slot = config.slot_name(pipeline);
         let publication = config.publication_name(pipeline);
         let partition = format!("pg:{slot}").into();
-        Self { config, slot, publication, partition, rx: None, stop: Arc::new(watch::channel(false).0) }
+        Self {
+            config,
+            slot,
+            publication,
+            partition,
+            rx: None,
+            stop: Arc::new(watch::channel(false).0),
+        }
     }
 }
 
 fn io(message: impl Into<String>) -> impl FnOnce(tokio_postgres::Error) -> SourceError {
     let message = message.into();
-    move |e| SourceError::Io { message: format!("{message}: {e}"), source: None }
+    move |e| SourceError::Io {
+        message: format!("{message}: {e}"),
+        source: None,
+    }
 }
 
 fn quote_ident(name: &str) -> String {
@@ -71,10 +83,20 @@ fn quote_ident(name: &str) -> String {
 
 #[async_trait]
 impl Source for PostgresSource {
-    async fn start(&mut self, checkpoint: &Checkpoint, mode: ReadMode, durable: watch::Receiver<Checkpoint>) -> Result<(), SourceError> {
-        let pg: tokio_postgres::Config =
-            self.config.url.parse().map_err(|e| SourceError::Io { message: format!("invalid PostgreSQL URL: {e}"), source: None })?;
-        let (client, connection) = pg.connect(tokio_postgres::NoTls).await.map_err(io("cannot connect to PostgreSQL"))?;
+    async fn start(
+        &mut self,
+        checkpoint: &Checkpoint,
+        mode: ReadMode,
+        durable: watch::Receiver<Checkpoint>,
+    ) -> Result<(), SourceError> {
+        let pg: tokio_postgres::Config = self.config.url.parse().map_err(|e| SourceError::Io {
+            message: format!("invalid PostgreSQL URL: {e}"),
+            source: None,
+        })?;
+        let (client, connection) = pg
+            .connect(tokio_postgres::NoTls)
+            .await
+            .map_err(io("cannot connect to PostgreSQL"))?;
         tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "control connection ended");
@@ -83,13 +105,19 @@ impl Source for PostgresSource {
 
         // Publication.
         let exists = client
-            .query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[&self.publication])
+            .query_opt(
+                "SELECT 1 FROM pg_publication WHERE pubname = $1",
+                &[&self.publication],
+            )
             .await
             .map_err(io("cannot read pg_publication"))?
             .is_some();
         if !exists {
             if !self.config.create {
-                return Err(SourceError::Inconsistent(format!("publication `{}` does not exist (and `create = false`)", self.publication)));
+                return Err(SourceError::Inconsistent(format!(
+                    "publication `{}` does not exist (and `create = false`)",
+                    self.publication
+                )));
             }
             let target = if self.config.tables.is_empty() {
                 "ALL TABLES".to_owned()
@@ -100,16 +128,24 @@ impl Source for PostgresSource {
                     .iter()
                     .map(|t| match t.split_once('.') {
                         Some((schema, "*")) => format!("TABLES IN SCHEMA {}", quote_ident(schema)),
-                        Some((schema, table)) => format!("TABLE {}.{}", quote_ident(schema), quote_ident(table)),
+                        Some((schema, table)) => {
+                            format!("TABLE {}.{}", quote_ident(schema), quote_ident(table))
+                        }
                         None => format!("TABLE {}", quote_ident(t)),
                     })
                     .collect();
                 parts.join(", ")
             };
             client
-                .batch_execute(&format!("CREATE PUBLICATION {} FOR {target}", quote_ident(&self.publication)))
+                .batch_execute(&format!(
+                    "CREATE PUBLICATION {} FOR {target}",
+                    quote_ident(&self.publication)
+                ))
                 .await
-                .map_err(io(format!("cannot create publication `{}`", self.publication)))?;
+                .map_err(io(format!(
+                    "cannot create publication `{}`",
+                    self.publication
+                )))?;
             tracing::info!(publication = %self.publication, %target, "created publication");
         }
 
@@ -135,12 +171,23 @@ impl Source for PostgresSource {
             }
             None if self.config.create => {
                 client
-                    .execute("SELECT pg_create_logical_replication_slot($1, 'pgoutput')", &[&self.slot])
+                    .execute(
+                        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                        &[&self.slot],
+                    )
                     .await
-                    .map_err(io(format!("cannot create replication slot `{}`", self.slot)))?;
+                    .map_err(io(format!(
+                        "cannot create replication slot `{}`",
+                        self.slot
+                    )))?;
                 tracing::info!(slot = %self.slot, "created replication slot");
             }
-            None => return Err(SourceError::Inconsistent(format!("replication slot `{}` does not exist (and `create = false`)", self.slot))),
+            None => {
+                return Err(SourceError::Inconsistent(format!(
+                    "replication slot `{}` does not exist (and `create = false`)",
+                    self.slot
+                )));
+            }
         }
 
         // Where to resume.
@@ -156,18 +203,27 @@ impl Source for PostgresSource {
             ReadMode::Follow => None,
             ReadMode::UntilCaughtUp => {
                 let row = client
-                    .query_one("SELECT pg_logical_emit_message(false, $1, '')::text", &[&CAUGHT_UP_PREFIX])
+                    .query_one(
+                        "SELECT pg_logical_emit_message(false, $1, '')::text",
+                        &[&CAUGHT_UP_PREFIX],
+                    )
                     .await
-                    .map_err(io("cannot write the caught-up marker (pg_logical_emit_message)"))?;
+                    .map_err(io(
+                        "cannot write the caught-up marker (pg_logical_emit_message)",
+                    ))?;
                 let lsn: String = row.get(0);
                 Some(parse_lsn(&lsn)?)
             }
         };
 
         let mut cfg = ReplicationConfig::new(
-            pg.get_hosts().first().map_or_else(|| "127.0.0.1".to_owned(), host_string),
+            pg.get_hosts()
+                .first()
+                .map_or_else(|| "127.0.0.1".to_owned(), host_string),
             pg.get_user().unwrap_or("postgres"),
-            pg.get_password().map(|p| String::from_utf8_lossy(p).into_owned()).unwrap_or_default(),
+            pg.get_password()
+                .map(|p| String::from_utf8_lossy(p).into_owned())
+                .unwrap_or_default(),
             pg.get_dbname().unwrap_or("postgres"),
             self.slot.clone(),
             self.publication.clone(),
@@ -184,7 +240,10 @@ impl Source for PostgresSource {
         }
         let replication = ReplicationClient::connect(cfg)
             .await
-            .map_err(|e| SourceError::Io { message: format!("cannot start replication from slot `{}`: {e}", self.slot), source: None })?;
+            .map_err(|e| SourceError::Io {
+                message: format!("cannot start replication from slot `{}`: {e}", self.slot),
+                source: None,
+            })?;
 
         let (tx, rx) = mpsc::channel(CHANNEL_CHUNKS);
         let reader = Reader {
@@ -205,7 +264,9 @@ impl Source for PostgresSource {
     }
 
     async fn next_chunk(&mut self) -> Result<Option<Vec<SourceItem>>, SourceError> {
-        let Some(rx) = self.rx.as_mut() else { return Ok(None) };
+        let Some(rx) = self.rx.as_mut() else {
+            return Ok(None);
+        };
         match rx.recv().await {
             Some(Ok(items)) => Ok(Some(items)),
             Some(Err(e)) => Err(e),
@@ -226,8 +287,13 @@ fn host_string(host: &tokio_postgres::config::Host) -> String {
 }
 
 fn parse_lsn(text: &str) -> Result<u64, SourceError> {
-    let (hi, lo) = text.split_once('/').ok_or_else(|| SourceError::Inconsistent(format!("`{text}` is not an LSN")))?;
-    let part = |s: &str| u64::from_str_radix(s, 16).map_err(|_| SourceError::Inconsistent(format!("`{text}` is not an LSN")));
+    let (hi, lo) = text
+        .split_once('/')
+        .ok_or_else(|| SourceError::Inconsistent(format!("`{text}` is not an LSN")))?;
+    let part = |s: &str| {
+        u64::from_str_radix(s, 16)
+            .map_err(|_| SourceError::Inconsistent(format!("`{text}` is not an LSN")))
+    };
     Ok(part(hi)? << 32 | part(lo)?)
 }
 
@@ -267,8 +333,16 @@ struct Reader {
 type Chunks = mpsc::Sender<Result<Vec<SourceItem>, SourceError>>;
 
 impl Reader {
-    async fn run(mut self, mut replication: ReplicationClient, out: Chunks, mut durable: watch::Receiver<Checkpoint>, mut stop: watch::Receiver<bool>) {
-        let result = self.stream(&mut replication, &out, &mut durable, &mut stop).await;
+    async fn run(
+        mut self,
+        mut replication: ReplicationClient,
+        out: Chunks,
+        mut durable: watch::Receiver<Checkpoint>,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        let result = self
+            .stream(&mut replication, &out, &mut durable, &mut stop)
+            .await;
         replication.stop();
         if let Err(e) = result {
             let _ = out.send(Err(e)).await;
@@ -304,13 +378,27 @@ impl Reader {
                 }
                 event = replication.recv() => event,
             };
-            let event = event.map_err(|e| SourceError::Io { message: format!("replication stream failed: {e}"), source: None })?;
-            let Some(event) = event else { return self.flush(out).await };
+            let event = event.map_err(|e| SourceError::Io {
+                message: format!("replication stream failed: {e}"),
+                source: None,
+            })?;
+            let Some(event) = event else {
+                return self.flush(out).await;
+            };
             match event {
-                ReplicationEvent::Begin { final_lsn, xid, commit_time_micros } => {
+                ReplicationEvent::Begin {
+                    final_lsn,
+                    xid,
+                    commit_time_micros,
+                } => {
                     let lsn = final_lsn.as_u64();
                     let commit_ms = (commit_time_micros + pgoutput::PG_EPOCH_OFFSET_MICROS) / 1000;
-                    let tx = OpenTx { lsn, xid, seq: 0, commit_ms };
+                    let tx = OpenTx {
+                        lsn,
+                        xid,
+                        seq: 0,
+                        commit_ms,
+                    };
                     self.marker(TxStatus::Begin, Offset(lsn, 0), &tx);
                     self.tx = Some(tx);
                     in_flight_free = false;
@@ -318,14 +406,19 @@ impl Reader {
                 ReplicationEvent::XLogData { data, .. } => self.data(data).await?,
                 ReplicationEvent::Commit { .. } => {
                     let Some(tx) = self.tx.take() else {
-                        return Err(SourceError::Inconsistent("COMMIT without BEGIN in the replication stream".into()));
+                        return Err(SourceError::Inconsistent(
+                            "COMMIT without BEGIN in the replication stream".into(),
+                        ));
                     };
                     self.marker(TxStatus::End, Offset(tx.lsn, u64::MAX), &tx);
                     self.last_commit = Some(tx.lsn);
                     self.flush(out).await?;
                 }
                 ReplicationEvent::Message { prefix, lsn, .. } => {
-                    if prefix == CAUGHT_UP_PREFIX && self.caught_up_at.is_some_and(|at| lsn.as_u64() >= at) && self.tx.is_none() {
+                    if prefix == CAUGHT_UP_PREFIX
+                        && self.caught_up_at.is_some_and(|at| lsn.as_u64() >= at)
+                        && self.tx.is_none()
+                    {
                         tracing::info!(lsn = %lsn, "caught up with the slot");
                         return self.flush(out).await;
                     }
@@ -350,7 +443,9 @@ impl Reader {
             return Ok(());
         }
         let chunk = std::mem::take(&mut self.chunk);
-        out.send(Ok(chunk)).await.map_err(|_| SourceError::Inconsistent("the runtime stopped reading".into()))
+        out.send(Ok(chunk))
+            .await
+            .map_err(|_| SourceError::Inconsistent("the runtime stopped reading".into()))
     }
 
     fn keep(&self, position: Offset) -> bool {
@@ -366,9 +461,15 @@ impl Reader {
             id: tx.xid.to_string(),
             event_count: (status == TxStatus::End).then_some(tx.seq),
             ts_ms: Some(tx.commit_ms),
-            position: Position { partition: self.partition.clone(), offset },
+            position: Position {
+                partition: self.partition.clone(),
+                offset,
+            },
         };
-        self.chunk.push(SourceItem { record: Ok(Record::Transaction(boundary)), raw: Bytes::new() });
+        self.chunk.push(SourceItem {
+            record: Ok(Record::Transaction(boundary)),
+            raw: Bytes::new(),
+        });
     }
 
     /// The primary-key columns of a relation, from the catalog (under REPLICA IDENTITY FULL
@@ -402,13 +503,31 @@ impl Reader {
                 let table = TableId::new(&shape.namespace, &shape.name);
                 let mut key_columns = self.primary_key(shape.id).await?;
                 if key_columns.is_empty() && shape.replica_identity != b'f' {
-                    key_columns = shape.columns.iter().filter(|c| c.key).map(|c| c.name.clone()).collect();
+                    key_columns = shape
+                        .columns
+                        .iter()
+                        .filter(|c| c.key)
+                        .map(|c| c.name.clone())
+                        .collect();
                 }
-                self.relations.insert(shape.id, RelationInfo { table, shape, key_columns });
+                self.relations.insert(
+                    shape.id,
+                    RelationInfo {
+                        table,
+                        shape,
+                        key_columns,
+                    },
+                );
             }
-            Message::Insert { relation, new } => self.change(relation, Op::Create, None, Some(new), &data),
-            Message::Update { relation, old, new } => self.change(relation, Op::Update, old, Some(new), &data),
-            Message::Delete { relation, old } => self.change(relation, Op::Delete, Some(old), None, &data),
+            Message::Insert { relation, new } => {
+                self.change(relation, Op::Create, None, Some(new), &data)
+            }
+            Message::Update { relation, old, new } => {
+                self.change(relation, Op::Update, old, Some(new), &data)
+            }
+            Message::Delete { relation, old } => {
+                self.change(relation, Op::Delete, Some(old), None, &data)
+            }
             Message::Truncate { relations, .. } => {
                 for relation in relations {
                     self.change(relation, Op::Truncate, None, None, &data);
@@ -428,36 +547,71 @@ impl Reader {
             }
             None => Offset(self.last_commit.unwrap_or(0), 0),
         };
-        Position { partition: self.partition.clone(), offset }
+        Position {
+            partition: self.partition.clone(),
+            offset,
+        }
     }
 
     fn push_error(&mut self, position: Position, reason: String, raw: Bytes) {
         if self.keep(position.offset) {
-            self.chunk.push(SourceItem { record: Err(DecodeError { position, reason }), raw });
+            self.chunk.push(SourceItem {
+                record: Err(DecodeError { position, reason }),
+                raw,
+            });
         }
     }
 
-    fn change(&mut self, relation: u32, op: Op, old: Option<(OldKind, Tuple)>, new: Option<Tuple>, raw: &Bytes) {
+    fn change(
+        &mut self,
+        relation: u32,
+        op: Op,
+        old: Option<(OldKind, Tuple)>,
+        new: Option<Tuple>,
+        raw: &Bytes,
+    ) {
         let position = self.next_position();
         if !self.keep(position.offset) {
             return;
         }
         let Some(info) = self.relations.get(&relation) else {
-            self.push_error(position, format!("change for relation {relation} before its Relation message"), raw.clone());
+            self.push_error(
+                position,
+                format!("change for relation {relation} before its Relation message"),
+                raw.clone(),
+            );
             return;
         };
         let before = match &old {
             Some((_, t)) => match row(&info.shape, t, None) {
                 Ok(r) => Some(r),
-                Err(e) => return self.push_error(position, format!("`{}` old row: {e}", info.table), raw.clone()),
+                Err(e) => {
+                    return self.push_error(
+                        position,
+                        format!("`{}` old row: {e}", info.table),
+                        raw.clone(),
+                    );
+                }
             },
             None => None,
         };
         let after = match &new {
             // An unchanged TOASTed column takes its value from a full old row when there is one.
-            Some(t) => match row(&info.shape, t, old.as_ref().filter(|(k, _)| *k == OldKind::Full).map(|(_, t)| t)) {
+            Some(t) => match row(
+                &info.shape,
+                t,
+                old.as_ref()
+                    .filter(|(k, _)| *k == OldKind::Full)
+                    .map(|(_, t)| t),
+            ) {
                 Ok(r) => Some(r),
-                Err(e) => return self.push_error(position, format!("`{}` new row: {e}", info.table), raw.clone()),
+                Err(e) => {
+                    return self.push_error(
+                        position,
+                        format!("`{}` new row: {e}", info.table),
+                        raw.clone(),
+                    );
+                }
             },
             None => None,
         };
@@ -465,7 +619,10 @@ impl Reader {
         // Key columns in key order; a table without any key gets none (the projection then
         // uses its configured key columns, or dead-letters the change).
         let key: Option<Row> = key_source.map(|r| {
-            info.key_columns.iter().filter_map(|c| r.get(c).map(|v| (c.clone(), v.clone()))).collect()
+            info.key_columns
+                .iter()
+                .filter_map(|c| r.get(c).map(|v| (c.clone(), v.clone())))
+                .collect()
         });
         let tx = self.tx.as_ref();
         let event = ChangeEvent {
@@ -482,10 +639,17 @@ impl Reader {
                 lsn: tx.map(|t| t.lsn),
                 kafka: None,
             },
-            transaction: tx.map(|t| TxInfo { id: t.xid.to_string(), total_order: Some(t.seq), data_collection_order: None }),
+            transaction: tx.map(|t| TxInfo {
+                id: t.xid.to_string(),
+                total_order: Some(t.seq),
+                data_collection_order: None,
+            }),
             position,
         };
-        self.chunk.push(SourceItem { record: Ok(Record::Change(event)), raw: Bytes::new() });
+        self.chunk.push(SourceItem {
+            record: Ok(Record::Change(event)),
+            raw: Bytes::new(),
+        });
     }
 }
 
@@ -493,21 +657,31 @@ impl Reader {
 /// an error otherwise (the value was not sent).
 fn row(shape: &Relation, tuple: &Tuple, full_old: Option<&Tuple>) -> Result<Row, String> {
     if tuple.len() != shape.columns.len() {
-        return Err(format!("{} values for {} columns", tuple.len(), shape.columns.len()));
+        return Err(format!(
+            "{} values for {} columns",
+            tuple.len(),
+            shape.columns.len()
+        ));
     }
     let mut out = Row::new();
     for (i, (column, datum)) in shape.columns.iter().zip(tuple).enumerate() {
         let value = match datum {
             Datum::Null => Value::Null,
             Datum::Text(bytes) => {
-                let text = std::str::from_utf8(bytes).map_err(|_| format!("column `{}` is not UTF-8", column.name))?;
-                text_to_json(column.type_oid, text).map_err(|e| format!("column `{}`: {e}", column.name))?
+                let text = std::str::from_utf8(bytes)
+                    .map_err(|_| format!("column `{}` is not UTF-8", column.name))?;
+                text_to_json(column.type_oid, text)
+                    .map_err(|e| format!("column `{}`: {e}", column.name))?
             }
-            Datum::Binary(_) => return Err(format!("column `{}` arrived in binary format", column.name)),
+            Datum::Binary(_) => {
+                return Err(format!("column `{}` arrived in binary format", column.name));
+            }
             Datum::UnchangedToast => match full_old.and_then(|t| t.get(i)) {
                 Some(Datum::Text(bytes)) => {
-                    let text = std::str::from_utf8(bytes).map_err(|_| format!("column `{}` is not UTF-8", column.name))?;
-                    text_to_json(column.type_oid, text).map_err(|e| format!("column `{}`: {e}", column.name))?
+                    let text = std::str::from_utf8(bytes)
+                        .map_err(|_| format!("column `{}` is not UTF-8", column.name))?;
+                    text_to_json(column.type_oid, text)
+                        .map_err(|e| format!("column `{}`: {e}", column.name))?
                 }
                 // Leaving the column out would erase it from the read model: refuse loudly.
                 _ => {

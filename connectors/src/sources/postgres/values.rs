@@ -55,13 +55,22 @@ pub mod oid {
 pub fn text_to_json(type_oid: u32, text: &str) -> Result<Value, String> {
     let bad = |what: &str| format!("`{text}` is not a valid {what}");
     Ok(match type_oid {
-        oid::INT2 | oid::INT4 | oid::INT8 | oid::OID => Value::Number(text.parse::<i64>().map_err(|_| bad("integer"))?.into()),
+        oid::INT2 | oid::INT4 | oid::INT8 | oid::OID => {
+            Value::Number(text.parse::<i64>().map_err(|_| bad("integer"))?.into())
+        }
         oid::NUMERIC => {
             let valid = text == "NaN"
                 || text == "Infinity"
                 || text == "-Infinity"
                 || (text.chars().any(|c| c.is_ascii_digit())
-                    && text.trim_start_matches(['-', '+']).chars().all(|c| c.is_ascii_digit() || c == '.' || c == 'e' || c == 'E' || c == '-' || c == '+'));
+                    && text.trim_start_matches(['-', '+']).chars().all(|c| {
+                        c.is_ascii_digit()
+                            || c == '.'
+                            || c == 'e'
+                            || c == 'E'
+                            || c == '-'
+                            || c == '+'
+                    }));
             if !valid {
                 return Err(bad("numeric"));
             }
@@ -69,16 +78,20 @@ pub fn text_to_json(type_oid: u32, text: &str) -> Result<Value, String> {
         }
         oid::FLOAT4 | oid::FLOAT8 => match text {
             "NaN" | "Infinity" | "-Infinity" => Value::String(text.to_owned()),
-            _ => Number::from_f64(text.parse::<f64>().map_err(|_| bad("float"))?).map_or(Value::String(text.to_owned()), Value::Number),
+            _ => Number::from_f64(text.parse::<f64>().map_err(|_| bad("float"))?)
+                .map_or(Value::String(text.to_owned()), Value::Number),
         },
         oid::BOOL => match text {
             "t" => Value::Bool(true),
             "f" => Value::Bool(false),
             _ => return Err(bad("boolean")),
         },
-        oid::JSON | oid::JSONB => serde_json::from_str(text).map_err(|e| format!("invalid JSON value: {e}"))?,
+        oid::JSON | oid::JSONB => {
+            serde_json::from_str(text).map_err(|e| format!("invalid JSON value: {e}"))?
+        }
         oid::TIMESTAMP => {
-            let t = NaiveDateTime::parse_from_str(text, "%Y-%m-%d %H:%M:%S%.f").map_err(|_| bad("timestamp"))?;
+            let t = NaiveDateTime::parse_from_str(text, "%Y-%m-%d %H:%M:%S%.f")
+                .map_err(|_| bad("timestamp"))?;
             Value::String(t.format("%Y-%m-%dT%H:%M:%S%.f").to_string())
         }
         oid::TIMESTAMPTZ => {
@@ -87,8 +100,13 @@ pub fn text_to_json(type_oid: u32, text: &str) -> Result<Value, String> {
                 Some(i) if i > 10 && text.len() - i == 3 => format!("{text}:00"),
                 _ => text.to_owned(),
             };
-            let t = DateTime::parse_from_str(&normalized, "%Y-%m-%d %H:%M:%S%.f%:z").map_err(|_| bad("timestamptz"))?;
-            Value::String(t.with_timezone(&chrono::Utc).format("%Y-%m-%dT%H:%M:%S%.fZ").to_string())
+            let t = DateTime::parse_from_str(&normalized, "%Y-%m-%d %H:%M:%S%.f%:z")
+                .map_err(|_| bad("timestamptz"))?;
+            Value::String(
+                t.with_timezone(&chrono::Utc)
+                    .format("%Y-%m-%dT%H:%M:%S%.fZ")
+                    .to_string(),
+            )
         }
         oid::BOOL_ARRAY => array(text, oid::BOOL)?,
         oid::INT2_ARRAY => array(text, oid::INT2)?,
@@ -122,7 +140,9 @@ fn array(text: &str, element_oid: u32) -> Result<Value, String> {
             let mut s = String::new();
             loop {
                 match chars.next() {
-                    Some('\\') => s.push(chars.next().ok_or("array literal ends inside an escape")?),
+                    Some('\\') => {
+                        s.push(chars.next().ok_or("array literal ends inside an escape")?)
+                    }
                     Some('"') => break,
                     Some(c) => s.push(c),
                     None => return Err("unterminated quoted array element".into()),
@@ -143,7 +163,11 @@ fn array(text: &str, element_oid: u32) -> Result<Value, String> {
             }
             (s, false)
         };
-        items.push(if !quoted && element == "NULL" { Value::Null } else { text_to_json(element_oid, &element)? });
+        items.push(if !quoted && element == "NULL" {
+            Value::Null
+        } else {
+            text_to_json(element_oid, &element)?
+        });
         match chars.next() {
             Some(',') => continue,
             None => break,
@@ -162,10 +186,18 @@ mod tests {
     #[test]
     fn table() {
         let cases: &[(u32, &str, Result<Value, &str>)] = &[
-            (oid::INT8, "9223372036854775807", Ok(json!(9223372036854775807i64))),
+            (
+                oid::INT8,
+                "9223372036854775807",
+                Ok(json!(9223372036854775807i64)),
+            ),
             (oid::INT4, "-42", Ok(json!(-42))),
             (oid::INT4, "4x", Err("integer")),
-            (oid::NUMERIC, "12345678901234567890.123456789", Ok(json!("12345678901234567890.123456789"))),
+            (
+                oid::NUMERIC,
+                "12345678901234567890.123456789",
+                Ok(json!("12345678901234567890.123456789")),
+            ),
             (oid::NUMERIC, "NaN", Ok(json!("NaN"))),
             (oid::NUMERIC, "abc", Err("numeric")),
             (oid::FLOAT8, "1.5", Ok(json!(1.5))),
@@ -173,17 +205,41 @@ mod tests {
             (oid::BOOL, "t", Ok(json!(true))),
             (oid::BOOL, "yes", Err("boolean")),
             (oid::JSONB, r#"{"a": [1, 2]}"#, Ok(json!({"a": [1, 2]}))),
-            (oid::TIMESTAMP, "2026-09-22 10:31:00.123456", Ok(json!("2026-09-22T10:31:00.123456"))),
-            (oid::TIMESTAMP, "2026-09-22 10:31:00", Ok(json!("2026-09-22T10:31:00"))),
-            (oid::TIMESTAMPTZ, "2026-09-22 10:31:00+02", Ok(json!("2026-09-22T08:31:00Z"))),
-            (oid::TIMESTAMPTZ, "2026-09-22 10:31:00.5-05:30", Ok(json!("2026-09-22T16:01:00.500Z"))),
-            (oid::UUID, "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11", Ok(json!("a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"))),
+            (
+                oid::TIMESTAMP,
+                "2026-09-22 10:31:00.123456",
+                Ok(json!("2026-09-22T10:31:00.123456")),
+            ),
+            (
+                oid::TIMESTAMP,
+                "2026-09-22 10:31:00",
+                Ok(json!("2026-09-22T10:31:00")),
+            ),
+            (
+                oid::TIMESTAMPTZ,
+                "2026-09-22 10:31:00+02",
+                Ok(json!("2026-09-22T08:31:00Z")),
+            ),
+            (
+                oid::TIMESTAMPTZ,
+                "2026-09-22 10:31:00.5-05:30",
+                Ok(json!("2026-09-22T16:01:00.500Z")),
+            ),
+            (
+                oid::UUID,
+                "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11",
+                Ok(json!("a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11")),
+            ),
             (oid::TEXT, "it's \"quoted\"", Ok(json!("it's \"quoted\""))),
             (oid::BYTEA, "\\x0001ff", Ok(json!("\\x0001ff"))),
             (oid::DATE, "2026-09-22", Ok(json!("2026-09-22"))),
             (90_001, "happy", Ok(json!("happy"))), // an enum
             (oid::INT4_ARRAY, "{1,2,NULL}", Ok(json!([1, 2, null]))),
-            (oid::TEXT_ARRAY, r#"{"a b","c\"d",NULL,"NULL",plain}"#, Ok(json!(["a b", "c\"d", null, "NULL", "plain"]))),
+            (
+                oid::TEXT_ARRAY,
+                r#"{"a b","c\"d",NULL,"NULL",plain}"#,
+                Ok(json!(["a b", "c\"d", null, "NULL", "plain"])),
+            ),
             (oid::TEXT_ARRAY, "{}", Ok(json!([]))),
             (oid::INT4_ARRAY, "{{1,2},{3,4}}", Err("multi-dimensional")),
             (oid::TEXT_ARRAY, r#"{"open}"#, Err("unterminated")),

@@ -11,7 +11,11 @@ fn encode(m: &Message, in_stream: bool) -> Vec<u8> {
                 Datum::Null => out.push(b'n'),
                 Datum::UnchangedToast => out.push(b'u'),
                 Datum::Text(b) | Datum::Binary(b) => {
-                    out.push(if matches!(d, Datum::Text(_)) { b't' } else { b'b' });
+                    out.push(if matches!(d, Datum::Text(_)) {
+                        b't'
+                    } else {
+                        b'b'
+                    });
                     out.extend((b.len() as u32).to_be_bytes());
                     out.extend(b.iter());
                 }
@@ -30,13 +34,21 @@ fn encode(m: &Message, in_stream: bool) -> Vec<u8> {
     };
     let mut out = Vec::new();
     match m {
-        Message::Begin { final_lsn, commit_time_us, xid } => {
+        Message::Begin {
+            final_lsn,
+            commit_time_us,
+            xid,
+        } => {
             out.push(b'B');
             out.extend(final_lsn.to_be_bytes());
             out.extend(ts(*commit_time_us));
             out.extend(xid.to_be_bytes());
         }
-        Message::Commit { commit_lsn, end_lsn, commit_time_us } => {
+        Message::Commit {
+            commit_lsn,
+            end_lsn,
+            commit_time_us,
+        } => {
             out.push(b'C');
             out.push(0);
             out.extend(commit_lsn.to_be_bytes());
@@ -63,7 +75,11 @@ fn encode(m: &Message, in_stream: bool) -> Vec<u8> {
                 out.extend(c.type_modifier.to_be_bytes());
             }
         }
-        Message::Type { id, namespace, name } => {
+        Message::Type {
+            id,
+            namespace,
+            name,
+        } => {
             out.push(b'Y');
             xid(&mut out);
             out.extend(id.to_be_bytes());
@@ -88,7 +104,10 @@ fn encode(m: &Message, in_stream: bool) -> Vec<u8> {
             out.push(b'N');
             tuple(&mut out, new);
         }
-        Message::Delete { relation, old: (kind, t) } => {
+        Message::Delete {
+            relation,
+            old: (kind, t),
+        } => {
             out.push(b'D');
             xid(&mut out);
             out.extend(relation.to_be_bytes());
@@ -104,7 +123,12 @@ fn encode(m: &Message, in_stream: bool) -> Vec<u8> {
                 out.extend(r.to_be_bytes());
             }
         }
-        Message::LogicalMessage { transactional, lsn, prefix, content } => {
+        Message::LogicalMessage {
+            transactional,
+            lsn,
+            prefix,
+            content,
+        } => {
             out.push(b'M');
             xid(&mut out);
             out.push(u8::from(*transactional));
@@ -119,7 +143,12 @@ fn encode(m: &Message, in_stream: bool) -> Vec<u8> {
             out.push(u8::from(*first_segment));
         }
         Message::StreamStop => out.push(b'E'),
-        Message::StreamCommit { xid, commit_lsn, end_lsn, commit_time_us } => {
+        Message::StreamCommit {
+            xid,
+            commit_lsn,
+            end_lsn,
+            commit_time_us,
+        } => {
             out.push(b'c');
             out.extend(xid.to_be_bytes());
             out.push(0);
@@ -142,31 +171,96 @@ fn text(s: &str) -> Datum {
 
 fn samples() -> Vec<Message> {
     vec![
-        Message::Begin { final_lsn: 0x16B3748, commit_time_us: 1_790_000_000_123_456, xid: 731 },
-        Message::Commit { commit_lsn: 0x16B3748, end_lsn: 0x16B3778, commit_time_us: 1_790_000_000_123_456 },
-        Message::Origin { lsn: 99, name: "node_a".into() },
+        Message::Begin {
+            final_lsn: 0x16B3748,
+            commit_time_us: 1_790_000_000_123_456,
+            xid: 731,
+        },
+        Message::Commit {
+            commit_lsn: 0x16B3748,
+            end_lsn: 0x16B3778,
+            commit_time_us: 1_790_000_000_123_456,
+        },
+        Message::Origin {
+            lsn: 99,
+            name: "node_a".into(),
+        },
         Message::Relation(Relation {
             id: 16385,
             namespace: "public".into(),
             name: "products".into(),
             replica_identity: b'f',
             columns: vec![
-                Column { key: true, name: "id".into(), type_oid: 20, type_modifier: -1 },
-                Column { key: false, name: "price".into(), type_oid: 1700, type_modifier: (12 << 16 | 2) + 4 },
+                Column {
+                    key: true,
+                    name: "id".into(),
+                    type_oid: 20,
+                    type_modifier: -1,
+                },
+                Column {
+                    key: false,
+                    name: "price".into(),
+                    type_oid: 1700,
+                    type_modifier: (12 << 16 | 2) + 4,
+                },
             ],
         }),
-        Message::Type { id: 90001, namespace: "public".into(), name: "mood".into() },
-        Message::Insert { relation: 16385, new: vec![text("42"), Datum::Null] },
-        Message::Update { relation: 16385, old: None, new: vec![text("42"), Datum::UnchangedToast] },
-        Message::Update { relation: 16385, old: Some((OldKind::Key, vec![text("41"), Datum::Null])), new: vec![text("42"), text("1.50")] },
-        Message::Update { relation: 16385, old: Some((OldKind::Full, vec![text("42"), text("1.00")])), new: vec![text("42"), text("1.50")] },
-        Message::Delete { relation: 16385, old: (OldKind::Full, vec![text("42"), Datum::Binary(Bytes::from_static(&[0, 1, 2]))]) },
-        Message::Truncate { options: 3, relations: vec![16385, 16390] },
-        Message::LogicalMessage { transactional: true, lsn: 5, prefix: "refract".into(), content: Bytes::from_static(b"watermark") },
-        Message::StreamStart { xid: 777, first_segment: true },
+        Message::Type {
+            id: 90001,
+            namespace: "public".into(),
+            name: "mood".into(),
+        },
+        Message::Insert {
+            relation: 16385,
+            new: vec![text("42"), Datum::Null],
+        },
+        Message::Update {
+            relation: 16385,
+            old: None,
+            new: vec![text("42"), Datum::UnchangedToast],
+        },
+        Message::Update {
+            relation: 16385,
+            old: Some((OldKind::Key, vec![text("41"), Datum::Null])),
+            new: vec![text("42"), text("1.50")],
+        },
+        Message::Update {
+            relation: 16385,
+            old: Some((OldKind::Full, vec![text("42"), text("1.00")])),
+            new: vec![text("42"), text("1.50")],
+        },
+        Message::Delete {
+            relation: 16385,
+            old: (
+                OldKind::Full,
+                vec![text("42"), Datum::Binary(Bytes::from_static(&[0, 1, 2]))],
+            ),
+        },
+        Message::Truncate {
+            options: 3,
+            relations: vec![16385, 16390],
+        },
+        Message::LogicalMessage {
+            transactional: true,
+            lsn: 5,
+            prefix: "refract".into(),
+            content: Bytes::from_static(b"watermark"),
+        },
+        Message::StreamStart {
+            xid: 777,
+            first_segment: true,
+        },
         Message::StreamStop,
-        Message::StreamCommit { xid: 777, commit_lsn: 10, end_lsn: 20, commit_time_us: 1_790_000_000_000_000 },
-        Message::StreamAbort { xid: 777, subxid: 778 },
+        Message::StreamCommit {
+            xid: 777,
+            commit_lsn: 10,
+            end_lsn: 20,
+            commit_time_us: 1_790_000_000_000_000,
+        },
+        Message::StreamAbort {
+            xid: 777,
+            subxid: 778,
+        },
     ]
 }
 
@@ -175,7 +269,11 @@ fn every_message_kind_round_trips() {
     for in_stream in [false, true] {
         for m in samples() {
             let bytes = Bytes::from(encode(&m, in_stream));
-            assert_eq!(decode(&bytes, in_stream).as_ref(), Ok(&m), "{m:?} (in stream: {in_stream})");
+            assert_eq!(
+                decode(&bytes, in_stream).as_ref(),
+                Ok(&m),
+                "{m:?} (in stream: {in_stream})"
+            );
         }
     }
 }
@@ -185,12 +283,18 @@ fn every_cut_short_message_is_an_error_with_its_offset() {
     for m in samples() {
         let full = encode(&m, false);
         for cut in 0..full.len() {
-            let err = decode(&Bytes::copy_from_slice(&full[..cut]), false).expect_err("a cut message must not decode");
+            let err = decode(&Bytes::copy_from_slice(&full[..cut]), false)
+                .expect_err("a cut message must not decode");
             assert!(err.offset <= cut, "{m:?} cut at {cut}: {err}");
         }
         let mut longer = full.clone();
         longer.push(0);
-        assert!(decode(&Bytes::from(longer), false).unwrap_err().reason.contains("trailing"));
+        assert!(
+            decode(&Bytes::from(longer), false)
+                .unwrap_err()
+                .reason
+                .contains("trailing")
+        );
     }
 }
 
@@ -201,9 +305,13 @@ fn regressions() {
         b"",
         b"Z",
         // A tuple claiming 65535 columns in a 12-byte message.
-        &[b'I', 0, 0, 0x40, 1, b'N', 0xff, 0xff, b't', 0xff, 0xff, 0xff],
+        &[
+            b'I', 0, 0, 0x40, 1, b'N', 0xff, 0xff, b't', 0xff, 0xff, 0xff,
+        ],
         // A column length of 4 GiB.
-        &[b'I', 0, 0, 0x40, 1, b'N', 0, 1, b't', 0xff, 0xff, 0xff, 0xff, b'x'],
+        &[
+            b'I', 0, 0, 0x40, 1, b'N', 0, 1, b't', 0xff, 0xff, 0xff, 0xff, b'x',
+        ],
         // A truncate of 2^32-1 relations.
         &[b'T', 0xff, 0xff, 0xff, 0xff, 0],
         // A relation name without its NUL.
@@ -212,7 +320,10 @@ fn regressions() {
         &[b'Y', 0, 0, 0, 1, 0xff, 0xfe, 0, b'x', 0],
     ];
     for case in cases {
-        assert!(decode(&Bytes::copy_from_slice(case), false).is_err(), "{case:?}");
+        assert!(
+            decode(&Bytes::copy_from_slice(case), false).is_err(),
+            "{case:?}"
+        );
     }
 }
 
