@@ -63,6 +63,16 @@ fn setup(name: &str) -> (tempfile::TempDir, std::path::PathBuf, std::path::PathB
 }
 
 fn pipeline_file(dir: &Path, name: &str, out: &Path) -> std::path::PathBuf {
+    pipeline_file_with(dir, name, out, "")
+}
+
+/// `pipeline_file` with extra lines in `[source]`.
+fn pipeline_file_with(
+    dir: &Path,
+    name: &str,
+    out: &Path,
+    source_extra: &str,
+) -> std::path::PathBuf {
     let text = format!(
         r#"[pipeline]
 name = "{name}"
@@ -76,6 +86,7 @@ max_delay_ms = 50
 kind = "postgres"
 url = "{url}"
 tables = ["public.{name}"]
+{source_extra}
 
 [projections.replica]
 kind = "replica"
@@ -123,7 +134,9 @@ fn replicates_inserts_updates_deletes_and_transactions() {
          UPDATE {name} SET qty = qty + 100, note = 'it''s \"quoted\"' WHERE id % 3 = 0;
          DELETE FROM {name} WHERE id % 5 = 0;
          BEGIN; UPDATE {name} SET price = 12345678901.99 WHERE id = 1; DELETE FROM {name} WHERE id = 2; COMMIT;
-         BEGIN; DELETE FROM {name} WHERE id = 3; ROLLBACK;"
+         BEGIN; DELETE FROM {name} WHERE id = 3; ROLLBACK;
+         UPDATE {name} SET id = 100004 WHERE id = 4;
+         BEGIN; UPDATE {name} SET id = 100006, name = 'moved' WHERE id = 6; UPDATE {name} SET id = 6 WHERE id = 7; COMMIT;"
     ));
     catch_up(&pipeline);
     assert_read_model(&table_state(name), &out, "after catch-up");
@@ -289,7 +302,7 @@ fn a_huge_transaction_killed_halfway_resumes_inside_it() {
 }
 
 #[test]
-fn unchanged_toast_values_are_kept_or_refused_loudly_never_erased() {
+fn unchanged_toast_values_are_kept_with_either_replica_identity() {
     let name = "pg_toast";
     let (dir, out, pipeline) = setup(name);
     // 8 KB of random text does not compress: PostgreSQL stores it out of line (TOAST).
@@ -311,23 +324,354 @@ fn unchanged_toast_values_are_kept_or_refused_loudly_never_erased() {
         Some(8192),
         "the TOASTed text survived the update"
     );
-    // DEFAULT identity: the value is not sent; the update is dead-lettered, the text never erased.
+    // DEFAULT identity: the value is not sent; refract re-reads it by key. A second update in
+    // the same transaction changes the text: the read model ends with the newest one.
     psql(&format!(
         "ALTER TABLE {name} REPLICA IDENTITY DEFAULT; UPDATE {name} SET qty = 3 WHERE id = 2;"
     ));
     catch_up(&pipeline);
     let doc = &read_output(&out)[&(name.to_owned(), "2".to_owned())];
+    assert_eq!(doc["qty"], 3);
     assert_eq!(
         doc["note"].as_str().map(str::len),
         Some(8192),
         "the read model still holds the text"
     );
+    psql(&format!(
+        "BEGIN; UPDATE {name} SET qty = 4 WHERE id = 2; UPDATE {name} SET note = 'short' WHERE id = 1; COMMIT;"
+    ));
+    catch_up(&pipeline);
+    assert_read_model(&table_state(name), &out, "after TOAST updates");
     let dead =
         std::fs::read_to_string(dir.path().join(format!("state/{name}/dead-letters.ndjson")))
-            .unwrap();
+            .unwrap_or_default();
+    assert!(dead.trim().is_empty(), "nothing was dead-lettered: {dead}");
+    drop_slot(name);
+}
+
+/// Rows in CI (`CI=true`) and in a full local run.
+fn size(ci: u64, full: u64) -> u64 {
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        ci
+    } else {
+        std::env::var("REFRACT_TEST_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(full)
+    }
+}
+
+/// pgbench from the PostgreSQL installation (not always on PATH).
+fn pgbench() -> std::path::PathBuf {
+    if let Ok(out) = Command::new("sh")
+        .args([
+            "-c",
+            "command -v pgbench || ls /usr/lib/postgresql/*/bin/pgbench | sort -V | tail -1",
+        ])
+        .output()
+    {
+        let path = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        if !path.is_empty() {
+            return path.into();
+        }
+    }
+    panic!("pgbench not found");
+}
+
+/// A writer of random updates and deletes at `rate` transactions/s (two statements each), for
+/// `seconds`, through pgbench.
+fn update_delete_load(name: &str, rows: u64, rate: u32, seconds: u32) -> std::process::Child {
+    let script = std::env::temp_dir().join(format!("refract_{name}_load.sql"));
+    std::fs::write(
+        &script,
+        format!(
+            "\\set u random(1, {rows})\n\\set d random(1, {rows})\n\
+             UPDATE {name} SET qty = coalesce(qty, 0) + 1, name = 'load ' || :u WHERE id = :u;\n\
+             DELETE FROM {name} WHERE id = :d;\n"
+        ),
+    )
+    .unwrap();
+    Command::new(pgbench())
+        .args([
+            "-n",
+            "-c",
+            "2",
+            "-R",
+            &rate.to_string(),
+            "-T",
+            &seconds.to_string(),
+            "-f",
+        ])
+        .arg(&script)
+        .arg(pg_url())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("pgbench starts")
+}
+
+#[test]
+fn the_initial_snapshot_reads_existing_rows_and_resumes_after_sigkill() {
+    let name = "pg_snapshot";
+    fresh_table(name);
+    let rows = size(30_000, 100_000);
+    psql(&format!(
+        "INSERT INTO {name} SELECT g, 'row ' || g, g % 13, g * 0.25, CASE WHEN g % 4 = 0 THEN NULL ELSE 'n' || g END \
+         FROM generate_series(1, {rows}) g"
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let pipeline = pipeline_file_with(dir.path(), name, &out, "chunk_rows = 1000");
+    let progress_file = dir.path().join(format!("state/{name}/snapshot.json"));
+    let snapshot_rows = || -> u64 {
+        let Ok(text) = std::fs::read_to_string(&progress_file) else {
+            return 0;
+        };
+        let v: Value = serde_json::from_str(&text).unwrap();
+        v["tables"]
+            .as_array()
+            .map_or(0, |t| t.iter().map(|t| t["rows"].as_u64().unwrap()).sum())
+    };
+
+    // Kill the daemon while it reads the snapshot, with writes going on; each restart resumes
+    // where the last committed chunk ended.
+    let mut rng = Rng::new(11);
+    let mut kills = 0;
+    let mut resumed_at = Vec::new();
+    for round in 0..6 {
+        let mut daemon = Running::spawn(
+            refract()
+                .arg("run")
+                .arg(&pipeline)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+        );
+        psql(&format!(
+            "UPDATE {name} SET name = 'changed {round}' WHERE id % 1000 = {round};
+             DELETE FROM {name} WHERE id % 997 = {round};
+             INSERT INTO {name} VALUES ({id}, 'new', 1, 1.00, NULL) ON CONFLICT (id) DO NOTHING;",
+            id = rows + 1 + round
+        ));
+        std::thread::sleep(Duration::from_millis(400 + rng.below(800)));
+        let child = daemon.child();
+        if child.try_wait().unwrap().is_none() {
+            child.kill().unwrap();
+            kills += 1;
+        }
+        child.wait().unwrap();
+        resumed_at.push(snapshot_rows());
+    }
     assert!(
-        dead.contains("unchanged TOASTed value") && dead.contains("REPLICA IDENTITY FULL"),
-        "{dead}"
+        resumed_at.windows(2).all(|w| w[0] <= w[1]),
+        "snapshot progress never goes back: {resumed_at:?}"
+    );
+    assert!(
+        resumed_at[0] > 0 && resumed_at[0] < rows,
+        "the first kill landed inside the snapshot: {resumed_at:?}"
+    );
+    catch_up(&pipeline);
+    let expected = table_state(name);
+    assert_read_model(
+        &expected,
+        &out,
+        &format!("after the snapshot and {kills} kills"),
+    );
+    let done: Value =
+        serde_json::from_str(&std::fs::read_to_string(&progress_file).unwrap()).unwrap();
+    assert_eq!(done["complete"], true);
+    eprintln!(
+        "snapshot of {rows} rows, {kills} SIGKILLs, progress after each: {resumed_at:?}; {} rows equal",
+        expected.len()
+    );
+    drop_slot(name);
+}
+
+#[test]
+fn backfill_while_the_daemon_streams_under_update_and_delete_load() {
+    let name = "pg_backfill";
+    fresh_table(name);
+    let rows = size(40_000, 1_000_000);
+    psql(&format!(
+        "INSERT INTO {name} SELECT g, 'row ' || g, g % 13, g * 0.25, NULL FROM generate_series(1, {rows}) g"
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    // No initial snapshot: the read model starts empty and only the backfill fills it.
+    let pipeline = pipeline_file_with(
+        dir.path(),
+        name,
+        &out,
+        "snapshot = \"never\"\nchunk_rows = 2000",
+    );
+    catch_up(&pipeline);
+    assert!(read_output(&out).is_empty(), "nothing before the backfill");
+
+    let mut daemon = Running::spawn(
+        refract()
+            .arg("run")
+            .arg(&pipeline)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    // 250 transactions/s of one update and one delete each: 500 changes/s.
+    let seconds = 25;
+    let mut load = update_delete_load(name, rows, 250, seconds);
+    std::thread::sleep(Duration::from_secs(2));
+    let started = std::time::Instant::now();
+    let backfill = output(refract().arg("backfill").arg(&pipeline));
+    assert!(
+        backfill.status.success(),
+        "backfill failed: {}",
+        String::from_utf8_lossy(&backfill.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&backfill.stdout);
+    assert!(stdout.contains("applied by the running daemon"), "{stdout}");
+    let load_running = load.try_wait().unwrap().is_none();
+    let load_status = load.wait().unwrap();
+    assert!(load_status.success(), "pgbench failed");
+    daemon.terminate();
+    assert!(daemon.child().wait().unwrap().success());
+    catch_up(&pipeline);
+    let expected = table_state(name);
+    assert!(
+        (expected.len() as u64) < rows,
+        "the load deleted rows ({} of {rows} left)",
+        expected.len()
+    );
+    assert_read_model(&expected, &out, "after the backfill under load");
+    eprintln!(
+        "backfill of {rows} rows took {:.1}s with 500 updates/deletes per second running (load still running at its end: {load_running}); {} rows equal",
+        started.elapsed().as_secs_f64(),
+        expected.len()
+    );
+    drop_slot(name);
+}
+
+#[test]
+fn backfill_without_a_daemon_resumes_and_re_reads_only_the_named_table() {
+    let name = "pg_backfill_solo";
+    fresh_table(name);
+    psql(&format!(
+        "INSERT INTO {name} SELECT g, 'row ' || g, g, g, NULL FROM generate_series(1, 5000) g"
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let pipeline = pipeline_file_with(
+        dir.path(),
+        name,
+        &out,
+        "snapshot = \"never\"\nchunk_rows = 500",
+    );
+    catch_up(&pipeline);
+    assert!(read_output(&out).is_empty());
+    // Kill the first backfill halfway; the second resumes it.
+    let progress_file = dir.path().join(format!("state/{name}/backfill.json"));
+    let mut first = Running::spawn(
+        refract()
+            .arg("backfill")
+            .arg(&pipeline)
+            .arg("--table")
+            .arg(name)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_to_string(&progress_file).is_ok_and(|t| t.contains("\"after\": [")) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the backfill made no progress"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let killed = first.child().try_wait().unwrap().is_none();
+    first.child().kill().ok();
+    first.child().wait().unwrap();
+    let second = output(
+        refract()
+            .env("RUST_LOG", "info")
+            .args(["--log-format", "json", "backfill"])
+            .arg(&pipeline)
+            .arg("--table")
+            .arg(format!("public.{name}")),
+    );
+    assert!(
+        second.status.success(),
+        "{}",
+        String::from_utf8_lossy(&second.stderr)
+    );
+    let log = String::from_utf8_lossy(&second.stderr);
+    if killed {
+        assert!(log.contains("resuming an interrupted"), "{log}");
+    }
+    assert_read_model(&table_state(name), &out, "after the backfill");
+    // A table outside the publication is refused by name.
+    let wrong = output(
+        refract()
+            .arg("backfill")
+            .arg(&pipeline)
+            .arg("--table")
+            .arg("nope"),
+    );
+    assert_eq!(wrong.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&wrong.stderr).contains("`nope` is not in publication"));
+    drop_slot(name);
+}
+
+#[test]
+fn a_lost_replication_connection_is_re_established_without_loss() {
+    let name = "pg_reconnect";
+    let (_dir, out, pipeline) = setup(name);
+    let mut daemon = Running::spawn(
+        refract()
+            .env("RUST_LOG", "info")
+            .arg("run")
+            .arg(&pipeline)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    );
+    let slot = format!("refract_{name}");
+    let mut terminated = 0;
+    for round in 0..40u64 {
+        psql(&format!(
+            "INSERT INTO {name} SELECT g, 'r{round}', {round}, 1.00, NULL FROM generate_series({a}, {b}) g;
+             UPDATE {name} SET qty = qty + 1 WHERE id % 7 = {m};
+             DELETE FROM {name} WHERE id % 11 = {m};",
+            a = round * 500,
+            b = round * 500 + 499,
+            m = round % 7
+        ));
+        if round % 8 == 4 {
+            // Kill the walsender (and with it the stream) as an outage would.
+            let killed = psql(&format!(
+                "SELECT count(pg_terminate_backend(active_pid)) FROM pg_replication_slots WHERE slot_name = '{slot}' AND active_pid IS NOT NULL"
+            ));
+            terminated += killed.parse::<u32>().unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(
+            daemon.child().try_wait().unwrap().is_none(),
+            "the daemon keeps running through lost connections"
+        );
+    }
+    assert!(terminated >= 3, "the stream was cut {terminated} times");
+    // The daemon itself catches up: wait until the read model equals the table.
+    let expected = table_state(name);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while read_output_live(&out) != expected && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    daemon.terminate();
+    let output = daemon.wait_with_output();
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{log}");
+    assert!(
+        log.contains("reconnecting") && log.contains("re-established"),
+        "{log}"
+    );
+    assert_read_model(
+        &expected,
+        &out,
+        &format!("after {terminated} lost connections"),
     );
     drop_slot(name);
 }

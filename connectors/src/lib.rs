@@ -119,6 +119,26 @@ pub enum ReadMode {
     UntilCaughtUp,
 }
 
+/// What a source is started for, besides its configuration.
+#[derive(Debug, Clone, Default)]
+pub struct SourceContext {
+    /// The pipeline's name (names default slots, publications, consumer groups).
+    pub pipeline: String,
+    /// The pipeline's state directory, for a source's own progress files (snapshots).
+    pub state_dir: std::path::PathBuf,
+    /// Re-read existing rows into the read models (`refract backfill`), where the source can.
+    pub backfill: Option<BackfillScope>,
+}
+
+/// Which tables a backfill re-reads.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BackfillScope {
+    /// `schema.table` or `table` names; empty means every table the source reads.
+    pub tables: Vec<String>,
+    /// Start over even if an earlier backfill of the same scope was interrupted.
+    pub restart: bool,
+}
+
 /// A source of change records.
 ///
 /// Sources deliver items in position order per partition, resume strictly after the checkpoint

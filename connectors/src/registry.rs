@@ -7,13 +7,13 @@ use crate::sinks::null::NullSink;
 use crate::sinks::object_json::ObjectJsonSink;
 use crate::sources::file::FileSource;
 use crate::sources::postgres::source::PostgresSource;
-use crate::{Sink, Source};
+use crate::{Sink, Source, SourceContext};
 
-/// Builds the configured source of pipeline `pipeline` (not yet started).
-pub fn build_source(config: &SourceConfig, pipeline: &str) -> Box<dyn Source> {
+/// Builds the configured source (not yet started).
+pub fn build_source(config: &SourceConfig, context: SourceContext) -> Box<dyn Source> {
     match config {
         SourceConfig::File(c) => Box::new(FileSource::new(c.clone())),
-        SourceConfig::Postgres(c) => Box::new(PostgresSource::new(c.clone(), pipeline)),
+        SourceConfig::Postgres(c) => Box::new(PostgresSource::new(c.clone(), context)),
     }
 }
 

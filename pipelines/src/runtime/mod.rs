@@ -27,7 +27,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use refract_connectors::dead_letter::{DeadLetter, DeadLetterStore, Stage};
-use refract_connectors::{ReadMode, SinkBatch, SinkError, SourceError, SourceItem, registry};
+use refract_connectors::{
+    BackfillScope, ReadMode, SinkBatch, SinkError, SourceContext, SourceError, SourceItem, registry,
+};
 use refract_projections::{Projection, WriteOp};
 use refract_schemas::config::{LoadedPipeline, OnError, PipelineFile, SinkConfig, mask_url};
 use refract_schemas::event::TxStatus;
@@ -87,10 +89,14 @@ pub enum RunError {
 }
 
 /// Options of one run.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct RunOptions {
     /// Follow the source, or stop once caught up.
     pub mode: ReadMode,
+    /// Re-read existing rows into the read models (`refract backfill`).
+    pub backfill: Option<BackfillScope>,
+    /// Draw a progress bar on a terminal when the source reports its size.
+    pub progress_bar: bool,
 }
 
 /// The wall clock in milliseconds since the epoch (handed to projections, stamped on dead letters).
@@ -245,7 +251,12 @@ pub async fn run(
     let (durable_tx, durable_rx) = watch::channel(resumed.clone());
     let checkpointer = tokio::spawn(checkpointer(store, cp_rx, durable_tx));
 
-    let mut source = registry::build_source(&config.source, &config.pipeline.name);
+    let context = SourceContext {
+        pipeline: config.pipeline.name.clone(),
+        state_dir: state_path(config),
+        backfill: options.backfill.clone(),
+    };
+    let mut source = registry::build_source(&config.source, context);
     source.start(&resumed, options.mode, durable_rx).await?;
 
     let mut processor = Processor {
@@ -265,6 +276,8 @@ pub async fn run(
         in_transaction: false,
         scratch: Vec::new(),
         summary: RunSummary::new(sink_names, dead_letter_location, resumed),
+        draw_bar: options.progress_bar,
+        bar: None,
     };
     for (name, sink) in &config.sinks {
         let location = match sink {
@@ -352,6 +365,66 @@ struct Processor {
     in_transaction: bool,
     scratch: Vec<WriteOp>,
     summary: RunSummary,
+    /// Whether to draw a progress bar.
+    draw_bar: bool,
+    /// A terminal progress bar, when asked for and the source knows its size.
+    bar: Option<Progress>,
+}
+
+/// Progress of a source that knows its size: a bar on a terminal, rate and ETA in the log.
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    started: Instant,
+    first: u64,
+}
+
+impl Progress {
+    fn new(draw: bool, done: u64, total: u64) -> Self {
+        let bar = draw.then(|| {
+            let bar = indicatif::ProgressBar::with_draw_target(
+                Some(total),
+                indicatif::ProgressDrawTarget::stderr(),
+            );
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{bar:40} {human_pos}/{human_len} rows  {per_sec}  ETA {eta}  {msg}",
+                )
+                .expect("a valid progress template"),
+            );
+            bar.set_position(done);
+            bar
+        });
+        Self {
+            bar,
+            started: Instant::now(),
+            first: done,
+        }
+    }
+
+    fn update(&self, done: u64, total: u64) {
+        if let Some(bar) = &self.bar {
+            bar.set_length(total);
+            bar.set_position(done);
+        }
+    }
+
+    /// Rows per second and seconds left, for the log.
+    fn rate(&self, done: u64, total: u64) -> (f64, Option<f64>) {
+        let secs = self.started.elapsed().as_secs_f64();
+        let rate = if secs > 0.0 {
+            done.saturating_sub(self.first) as f64 / secs
+        } else {
+            0.0
+        };
+        let eta = (rate > 0.0).then(|| total.saturating_sub(done) as f64 / rate);
+        (rate, eta)
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
 }
 
 impl Processor {
@@ -397,10 +470,23 @@ impl Processor {
                     None => break,
                 },
             }
+            if let Some((done, total)) = source.progress() {
+                self.bar
+                    .get_or_insert_with(|| Progress::new(self.draw_bar, done, total))
+                    .update(done, total);
+            }
             if last_progress.elapsed() >= PROGRESS_INTERVAL {
                 last_progress = Instant::now();
-                self.summary.log_progress(source.progress());
+                let progress = source.progress();
+                let rate = match (&self.bar, progress) {
+                    (Some(bar), Some((done, total))) => Some(bar.rate(done, total)),
+                    _ => None,
+                };
+                self.summary.log_progress(progress, rate);
             }
+        }
+        if let Some(bar) = &self.bar {
+            bar.finish();
         }
         self.dispatch().await?;
         self.drain().await?;

@@ -94,11 +94,25 @@ impl RunSummary {
         total.coalesced += report.coalesced;
     }
 
-    pub(crate) fn log_progress(&self, progress: Option<(u64, u64)>) {
+    /// Logs progress; `rate` is (units of the source's progress per second, seconds left).
+    pub(crate) fn log_progress(
+        &self,
+        progress: Option<(u64, u64)>,
+        rate: Option<(f64, Option<f64>)>,
+    ) {
         let percent = progress
             .filter(|(_, total)| *total > 0)
             .map(|(done, total)| (done as f64 * 100.0 / total as f64).min(100.0));
-        tracing::info!(records = self.records, dead_letters = self.dead_letters, percent_read = ?percent.map(|p| (p * 10.0).round() / 10.0), "progress");
+        let per_s = rate.map(|(r, _)| r.round() as u64);
+        let eta_s = rate.and_then(|(_, eta)| eta).map(|e| e.round() as u64);
+        tracing::info!(
+            records = self.records,
+            dead_letters = self.dead_letters,
+            percent_read = ?percent.map(|p| (p * 10.0).round() / 10.0),
+            read_per_s = ?per_s,
+            eta_s = ?eta_s,
+            "progress"
+        );
     }
 
     /// The human-readable summary.

@@ -179,6 +179,38 @@ pub struct PostgresSourceConfig {
     /// Create the slot and publication when missing (needs the privileges above).
     #[serde(default = "default_true")]
     pub create: bool,
+    /// The rows that exist when refract creates the slot: `initial` reads every published table
+    /// into the read models (chunked, consistent with the stream, resumed after a crash);
+    /// `never` streams only changes from then on.
+    #[serde(default)]
+    pub snapshot: SnapshotMode,
+    /// Rows per snapshot or backfill chunk (100 to 100,000). Each chunk is one short
+    /// transaction that share-locks its rows.
+    #[serde(default = "default_chunk_rows")]
+    pub chunk_rows: u32,
+    /// Log a warning when the slot holds back more WAL than this, in MiB (the server keeps WAL
+    /// until every slot has confirmed it).
+    #[serde(default = "default_max_retained_wal_mb")]
+    pub max_retained_wal_mb: u64,
+}
+
+/// What the PostgreSQL source reads of the rows that exist when its slot is created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SnapshotMode {
+    /// Read every published table once, then stream.
+    #[default]
+    Initial,
+    /// Stream changes only.
+    Never,
+}
+
+fn default_chunk_rows() -> u32 {
+    5_000
+}
+
+fn default_max_retained_wal_mb() -> u64 {
+    1_024
 }
 
 fn default_true() -> bool {

@@ -122,6 +122,12 @@ impl PipelineFile {
                         );
                     }
                 }
+                if !(100..=100_000).contains(&pg.chunk_rows) {
+                    problem(
+                        "source.chunk_rows",
+                        format!("{} is outside 100 to 100,000", pg.chunk_rows),
+                    );
+                }
             }
         }
 

@@ -10,26 +10,34 @@
 //!
 //! `--until-caught-up` writes a non-transactional logical message at start and stops when the
 //! stream reaches it: every transaction committed before the start has then been read.
+//!
+//! Rows that exist before the slot (initial snapshot) or that a `refract backfill` re-reads
+//! arrive as chunk messages in the stream (see [`super::snapshot`]) and become `r` (read) events
+//! at their commit position. A lost replication connection is re-established with backoff and
+//! the stream resumes right after the last change handed out.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use pgwire_replication::{
     Lsn, ReplicationClient, ReplicationConfig, TlsConfig, client::ReplicationEvent,
 };
-use refract_schemas::config::PostgresSourceConfig;
+use refract_schemas::config::{PostgresSourceConfig, SnapshotMode};
 use refract_schemas::debezium::DecodeError;
 use refract_schemas::event::{SourceInfo, TxBoundary, TxInfo, TxStatus};
 use refract_schemas::{ChangeEvent, Checkpoint, Offset, Op, Position, Record, Row, TableId};
 use serde_json::Value;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use super::pgoutput::{self, Datum, Message, OldKind, Relation, Tuple};
+use super::snapshot::{self, ChunkMessage, ChunkProgress, Chunker};
 use super::values::text_to_json;
-use crate::{ReadMode, Source, SourceError, SourceItem};
+use crate::{ReadMode, Source, SourceContext, SourceError, SourceItem};
 
 /// Changes per chunk handed to the runtime: a huge transaction flows in pieces (memory stays
 /// bounded); small transactions go as soon as they commit.
@@ -41,35 +49,54 @@ const CHANNEL_CHUNKS: usize = 4;
 const STATUS_INTERVAL: Duration = Duration::from_secs(1);
 /// Prefix of the logical message that marks "caught up" for `--until-caught-up`.
 const CAUGHT_UP_PREFIX: &str = "refract.caught_up";
+/// How often the slot's retained WAL is checked.
+const SLOT_CHECK_INTERVAL: Duration = Duration::from_secs(30);
+/// Longest wait between two reconnection attempts.
+const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(30);
 
 /// The PostgreSQL source.
 pub struct PostgresSource {
     config: PostgresSourceConfig,
+    context: SourceContext,
     slot: String,
     publication: String,
     partition: Arc<str>,
     rx: Option<mpsc::Receiver<Result<Vec<SourceItem>, SourceError>>>,
     stop: Arc<watch::Sender<bool>>,
+    /// Progress of a snapshot or backfill this run reads.
+    chunks: Option<Arc<ChunkProgress>>,
 }
 
 impl PostgresSource {
-    /// A source for pipeline `pipeline` (which names the default slot and publication).
-    pub fn new(config: PostgresSourceConfig, pipeline: &str) -> Self {
-        let slot = config.slot_name(pipeline);
-        let publication = config.publication_name(pipeline);
+    /// A source for the pipeline of `context` (whose name gives the default slot and publication).
+    pub fn new(config: PostgresSourceConfig, context: SourceContext) -> Self {
+        let slot = config.slot_name(&context.pipeline);
+        let publication = config.publication_name(&context.pipeline);
         let partition = format!("pg:{slot}").into();
         Self {
             config,
+            context,
             slot,
             publication,
             partition,
             rx: None,
             stop: Arc::new(watch::channel(false).0),
+            chunks: None,
         }
+    }
+
+    /// Where the initial snapshot keeps its progress.
+    pub fn snapshot_progress_path(state_dir: &std::path::Path) -> PathBuf {
+        state_dir.join("snapshot.json")
+    }
+
+    /// Where `refract backfill` keeps its progress.
+    pub fn backfill_progress_path(state_dir: &std::path::Path) -> PathBuf {
+        state_dir.join("backfill.json")
     }
 }
 
-fn io(message: impl Into<String>) -> impl FnOnce(tokio_postgres::Error) -> SourceError {
+pub(crate) fn io(message: impl Into<String>) -> impl FnOnce(tokio_postgres::Error) -> SourceError {
     let message = message.into();
     move |e| SourceError::Io {
         message: format!("{message}: {e}"),
@@ -77,8 +104,26 @@ fn io(message: impl Into<String>) -> impl FnOnce(tokio_postgres::Error) -> Sourc
     }
 }
 
-fn quote_ident(name: &str) -> String {
+pub(crate) fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// An ordinary (non-replication) connection, its connection task spawned.
+pub(crate) async fn connect(url: &str) -> Result<tokio_postgres::Client, SourceError> {
+    let pg: tokio_postgres::Config = url.parse().map_err(|e| SourceError::Io {
+        message: format!("invalid PostgreSQL URL: {e}"),
+        source: None,
+    })?;
+    let (client, connection) = pg
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(io("cannot connect to PostgreSQL"))?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "control connection ended");
+        }
+    });
+    Ok(client)
 }
 
 #[async_trait]
@@ -93,15 +138,9 @@ impl Source for PostgresSource {
             message: format!("invalid PostgreSQL URL: {e}"),
             source: None,
         })?;
-        let (client, connection) = pg
-            .connect(tokio_postgres::NoTls)
-            .await
-            .map_err(io("cannot connect to PostgreSQL"))?;
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(error = %e, "control connection ended");
-            }
-        });
+        let client = connect(&self.config.url).await?;
+        let resume = checkpoint.get(&*self.partition).copied();
+        let snapshot_path = PostgresSource::snapshot_progress_path(&self.context.state_dir);
 
         // Publication.
         let exists = client
@@ -159,17 +198,26 @@ impl Source for PostgresSource {
             .await
             .map_err(io("cannot read pg_replication_slots"))?;
         match slot_row {
+            None if resume.is_some() => {
+                return Err(SourceError::Inconsistent(format!(
+                    "replication slot `{}` is gone but the checkpoint says this pipeline read from it: changes \
+                     since then are lost. Run `refract drop` on the pipeline (or delete its state directory) to start \
+                     over with a new slot and a fresh snapshot",
+                    self.slot
+                )));
+            }
             Some(row) => {
                 let wal_status: String = row.get(1);
                 if wal_status == "lost" {
-                    return Err(SourceError::Inconsistent(format!(
-                        "replication slot `{}` was invalidated (wal_status = lost): changes were lost. Drop the slot \
-                         (SELECT pg_drop_replication_slot('{}')), delete the pipeline's state directory and re-snapshot",
-                        self.slot, self.slot
-                    )));
+                    return Err(slot_lost(&self.slot));
                 }
             }
             None if self.config.create => {
+                // Recorded before the slot exists: a crash right after creating it must not
+                // leave the existing rows unread.
+                if self.config.snapshot == SnapshotMode::Initial {
+                    snapshot::mark_snapshot_due(&snapshot_path)?;
+                }
                 client
                     .execute(
                         "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
@@ -191,32 +239,54 @@ impl Source for PostgresSource {
         }
 
         // Where to resume.
-        let resume = checkpoint.get(&*self.partition).copied();
-        let (start_lsn, skip_through) = match resume {
-            None => (Lsn::ZERO, None),
-            Some(Offset(lsn, u64::MAX)) => (Lsn::from_u64(lsn + 1), None),
-            Some(o @ Offset(lsn, _)) => (Lsn::from_u64(lsn), Some(o)),
+        let (start_lsn, skip_through) = resume_point(resume);
+
+        // Rows to read into the stream: a backfill asked for, or an initial snapshot that is due.
+        let chunker = if let Some(scope) = &self.context.backfill {
+            Some(
+                Chunker::prepare(
+                    &self.config.url,
+                    &self.publication,
+                    &self.slot,
+                    self.config.chunk_rows,
+                    PostgresSource::backfill_progress_path(&self.context.state_dir),
+                    &scope.tables,
+                    scope.restart,
+                )
+                .await?,
+            )
+        } else if snapshot::unfinished(&snapshot_path) {
+            Some(
+                Chunker::prepare(
+                    &self.config.url,
+                    &self.publication,
+                    &self.slot,
+                    self.config.chunk_rows,
+                    snapshot_path,
+                    &[],
+                    false,
+                )
+                .await?,
+            )
+        } else {
+            None
         };
 
-        // The caught-up marker, written after the slot exists so the stream is sure to reach it.
-        let caught_up_at = match mode {
-            ReadMode::Follow => None,
-            ReadMode::UntilCaughtUp => {
-                let row = client
-                    .query_one(
-                        "SELECT pg_logical_emit_message(false, $1, '')::text",
-                        &[&CAUGHT_UP_PREFIX],
-                    )
-                    .await
-                    .map_err(io(
-                        "cannot write the caught-up marker (pg_logical_emit_message)",
-                    ))?;
-                let lsn: String = row.get(0);
-                Some(parse_lsn(&lsn)?)
+        // The caught-up marker, written after the slot exists so the stream is sure to reach it;
+        // after the last chunk when rows are being read.
+        let mut caught_up = CaughtUp::Never;
+        let mut marker_tx = None;
+        if mode == ReadMode::UntilCaughtUp {
+            if chunker.is_some() {
+                let (tx, rx) = oneshot::channel();
+                caught_up = CaughtUp::Pending(rx);
+                marker_tx = Some(tx);
+            } else {
+                caught_up = CaughtUp::At(emit_caught_up_marker(&client).await?);
             }
-        };
+        }
 
-        let mut cfg = ReplicationConfig::new(
+        let cfg = ReplicationConfig::new(
             pg.get_hosts()
                 .first()
                 .map_or_else(|| "127.0.0.1".to_owned(), host_string),
@@ -230,32 +300,51 @@ impl Source for PostgresSource {
         )
         .with_port(pg.get_ports().first().copied().unwrap_or(5432))
         .with_tls(TlsConfig::disabled())
-        .with_start_lsn(start_lsn)
         .with_status_interval(STATUS_INTERVAL)
         .with_wakeup_interval(STATUS_INTERVAL)
         .with_application_name("refract");
-        if let Some(Offset(lsn, _)) = resume {
-            // Confirm no more than what is durable until the runtime says otherwise.
-            cfg = cfg.with_ack_lsn(Lsn::from_u64(lsn));
-        }
-        let replication = ReplicationClient::connect(cfg)
-            .await
-            .map_err(|e| SourceError::Io {
-                message: format!("cannot start replication from slot `{}`: {e}", self.slot),
-                source: None,
-            })?;
+        let replication = start_replication(&cfg, start_lsn, resume, &self.slot).await?;
 
         let (tx, rx) = mpsc::channel(CHANNEL_CHUNKS);
+        if let Some(chunker) = chunker {
+            self.chunks = Some(chunker.progress());
+            let errors = tx.clone();
+            let url = self.config.url.clone();
+            tokio::spawn(async move {
+                let result = async {
+                    let report = chunker.run().await?;
+                    for (table, rows) in &report.tables {
+                        tracing::info!(%table, rows, "rows read into the stream");
+                    }
+                    if let Some(marker) = marker_tx {
+                        let client = connect(&url).await?;
+                        let _ = marker.send(emit_caught_up_marker(&client).await?);
+                    }
+                    Ok::<_, SourceError>(())
+                }
+                .await;
+                if let Err(e) = result {
+                    let _ = errors.send(Err(e)).await;
+                }
+            });
+        }
         let reader = Reader {
             catalog: client,
+            url: self.config.url.clone(),
+            slot: self.slot.clone(),
+            replication_config: cfg,
             partition: self.partition.clone(),
             db: pg.get_dbname().map(Arc::from),
+            rows_prefix: snapshot::message_prefix(&self.slot),
+            max_retained_wal: self.config.max_retained_wal_mb.saturating_mul(1 << 20),
             relations: HashMap::new(),
             tx: None,
             chunk: Vec::new(),
             skip_through,
-            caught_up_at,
+            caught_up,
             last_commit: resume.map(|o| o.0),
+            last_sent: None,
+            resumed_from: resume,
         };
         let stop = self.stop.subscribe();
         tokio::spawn(reader.run(replication, tx, durable, stop));
@@ -277,6 +366,99 @@ impl Source for PostgresSource {
     fn stop(&mut self) {
         self.stop.send_replace(true);
     }
+
+    fn progress(&self) -> Option<(u64, u64)> {
+        let p = self.chunks.as_ref()?;
+        let done = p.rows.load(Ordering::Relaxed);
+        Some((done, p.total.load(Ordering::Relaxed).max(done)))
+    }
+}
+
+/// Where the stream starts for a checkpoint: (LSN to ask for, changes to skip up to).
+fn resume_point(resume: Option<Offset>) -> (Lsn, Option<Offset>) {
+    match resume {
+        None => (Lsn::ZERO, None),
+        Some(Offset(lsn, u64::MAX)) => (Lsn::from_u64(lsn + 1), None),
+        Some(o @ Offset(lsn, _)) => (Lsn::from_u64(lsn), Some(o)),
+    }
+}
+
+/// Opens the replication stream at `start`, confirming no more than `durable`.
+async fn start_replication(
+    cfg: &ReplicationConfig,
+    start: Lsn,
+    durable: Option<Offset>,
+    slot: &str,
+) -> Result<ReplicationClient, SourceError> {
+    let mut cfg = cfg.clone().with_start_lsn(start);
+    if let Some(Offset(lsn, seq)) = durable {
+        // Confirm no more than what is durable until the runtime says otherwise.
+        cfg = cfg.with_ack_lsn(Lsn::from_u64(if seq == u64::MAX { lsn + 1 } else { lsn }));
+    }
+    ReplicationClient::connect(cfg)
+        .await
+        .map_err(|e| SourceError::Io {
+            message: format!("cannot start replication from slot `{slot}`: {e}"),
+            source: None,
+        })
+}
+
+/// Writes the caught-up marker; returns its LSN.
+async fn emit_caught_up_marker(client: &tokio_postgres::Client) -> Result<u64, SourceError> {
+    let row = client
+        .query_one(
+            "SELECT pg_logical_emit_message(false, $1, '')::text",
+            &[&CAUGHT_UP_PREFIX],
+        )
+        .await
+        .map_err(io(
+            "cannot write the caught-up marker (pg_logical_emit_message)",
+        ))?;
+    let lsn: String = row.get(0);
+    parse_lsn(&lsn)
+}
+
+fn slot_lost(slot: &str) -> SourceError {
+    SourceError::Inconsistent(format!(
+        "replication slot `{slot}` was invalidated (wal_status = lost): the server removed WAL it still \
+         needed, so changes were lost. Refusing to resume. Run `refract drop` on the pipeline (drops the \
+         slot and the state), then `refract run` again: it creates a new slot and re-reads every table \
+         (initial snapshot)"
+    ))
+}
+
+/// The wait before reconnection attempt `n` (1-based): exponential from 250 ms, with jitter.
+fn reconnect_delay(n: u32) -> Duration {
+    let base = Duration::from_millis(250).saturating_mul(1 << n.min(8).saturating_sub(1));
+    let base = base.min(MAX_RECONNECT_DELAY);
+    // Jitter from the clock's sub-second part: enough to spread several pipelines apart.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    base.mul_f64(0.75 + f64::from(nanos % 1000) / 2000.0)
+}
+
+/// Errors that reconnecting cannot fix.
+fn is_permanent(e: &SourceError) -> bool {
+    match e {
+        SourceError::Inconsistent(_) => true,
+        SourceError::Io { message, .. } => {
+            message.contains("authentication")
+                || message.contains("does not exist")
+                || message.contains("can no longer get changes")
+                || message.contains("invalidated")
+        }
+    }
+}
+
+/// When `--until-caught-up` stops.
+enum CaughtUp {
+    /// Following: never.
+    Never,
+    /// At the marker with this LSN.
+    At(u64),
+    /// At a marker written once the snapshot or backfill has been read.
+    Pending(oneshot::Receiver<u64>),
 }
 
 fn host_string(host: &tokio_postgres::config::Host) -> String {
@@ -303,6 +485,8 @@ struct RelationInfo {
     shape: Relation,
     /// The document key: the primary key, else the replica-identity columns.
     key_columns: Vec<String>,
+    /// SQL types of the key columns (for re-reading a row by key).
+    key_types: Vec<String>,
 }
 
 /// The transaction being read.
@@ -315,22 +499,41 @@ struct OpenTx {
 
 /// The task that reads the replication stream.
 struct Reader {
-    /// The control connection, for catalog look-ups (primary keys).
+    /// The control connection, for catalog look-ups (primary keys, TOAST re-reads, the slot).
     catalog: tokio_postgres::Client,
+    url: String,
+    slot: String,
+    replication_config: ReplicationConfig,
     partition: Arc<str>,
     db: Option<Arc<str>>,
+    /// Prefix of this slot's snapshot/backfill chunk messages.
+    rows_prefix: String,
+    /// Retained WAL (bytes) above which a warning is logged.
+    max_retained_wal: u64,
     relations: HashMap<u32, RelationInfo>,
     tx: Option<OpenTx>,
     chunk: Vec<SourceItem>,
-    /// Changes at or before this position are durable already (a transaction cut by a crash).
+    /// Changes at or before this position are durable already (a transaction cut by a crash),
+    /// or were handed out before the connection was lost.
     skip_through: Option<Offset>,
-    /// The LSN of the caught-up marker (`--until-caught-up`).
-    caught_up_at: Option<u64>,
+    caught_up: CaughtUp,
     /// The commit LSN of the last transaction handed out.
     last_commit: Option<u64>,
+    /// The position of the last item handed out.
+    last_sent: Option<Offset>,
+    /// The checkpoint the run started from.
+    resumed_from: Option<Offset>,
 }
 
 type Chunks = mpsc::Sender<Result<Vec<SourceItem>, SourceError>>;
+
+/// Why the stream ended.
+enum Ended {
+    /// Stopped, caught up or closed by the server on purpose: done.
+    Done,
+    /// The connection failed: reconnect.
+    Lost(String),
+}
 
 impl Reader {
     async fn run(
@@ -340,13 +543,76 @@ impl Reader {
         mut durable: watch::Receiver<Checkpoint>,
         mut stop: watch::Receiver<bool>,
     ) {
-        let result = self
-            .stream(&mut replication, &out, &mut durable, &mut stop)
-            .await;
-        replication.stop();
+        let mut failures = 0u32;
+        let result = loop {
+            let started = Instant::now();
+            let ended = self
+                .stream(&mut replication, &out, &mut durable, &mut stop)
+                .await;
+            replication.stop();
+            let reason = match ended {
+                Ok(Ended::Done) => break Ok(()),
+                Err(e) => break Err(e),
+                Ok(Ended::Lost(reason)) => reason,
+            };
+            // Reconnect with exponential backoff (reset after a connection that lasted), and
+            // resume right after the last change handed out: the server resends from the
+            // slot's confirmed position, which is never past it.
+            if started.elapsed() > MAX_RECONNECT_DELAY {
+                failures = 0;
+            }
+            let next = loop {
+                failures += 1;
+                let delay = reconnect_delay(failures);
+                tracing::warn!(
+                    slot = %self.slot,
+                    error = %reason,
+                    attempt = failures,
+                    retry_in_ms = delay.as_millis() as u64,
+                    "replication connection lost: reconnecting"
+                );
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    _ = stop.wait_for(|s| *s) => break None,
+                }
+                match self.reconnect().await {
+                    Ok(r) => break Some(r),
+                    Err(e) if is_permanent(&e) => {
+                        let _ = out.send(Err(e)).await;
+                        return;
+                    }
+                    Err(e) => tracing::debug!(error = %e, "reconnection failed"),
+                }
+            };
+            match next {
+                Some(r) => {
+                    tracing::info!(slot = %self.slot, "replication connection re-established");
+                    replication = r;
+                }
+                None => break Ok(()),
+            }
+        };
         if let Err(e) = result {
             let _ = out.send(Err(e)).await;
         }
+    }
+
+    /// A new control connection and replication stream, resuming after the last item handed
+    /// out (or the checkpoint, when nothing was).
+    async fn reconnect(&mut self) -> Result<ReplicationClient, SourceError> {
+        self.catalog = connect(&self.url).await?;
+        self.tx = None;
+        self.chunk.clear();
+        let from = self.last_sent.or(self.resumed_from);
+        let (start, skip) = resume_point(from);
+        self.skip_through = skip;
+        start_replication(
+            &self.replication_config,
+            start,
+            self.resumed_from,
+            &self.slot,
+        )
+        .await
     }
 
     async fn stream(
@@ -355,35 +621,52 @@ impl Reader {
         out: &Chunks,
         durable: &mut watch::Receiver<Checkpoint>,
         stop: &mut watch::Receiver<bool>,
-    ) -> Result<(), SourceError> {
+    ) -> Result<Ended, SourceError> {
         // Whether everything handed out is durable, so the slot may follow the server. Not when
         // resuming inside a transaction: its rest is still to come.
-        let mut in_flight_free = self.skip_through.is_none();
+        let mut in_flight_free = self.skip_through.is_none() && self.last_sent.is_none();
+        let mut slot_check = tokio::time::interval(SLOT_CHECK_INTERVAL);
         loop {
             let event = tokio::select! {
                 () = async { let _ = stop.wait_for(|s| *s).await; } => {
                     // Hand out the changes read so far; the rest is read again next time.
-                    return self.flush(out).await;
+                    self.flush(out).await?;
+                    return Ok(Ended::Done);
                 }
                 changed = durable.changed() => {
                     if changed.is_err() {
-                        return Ok(());
+                        return Ok(Ended::Done);
                     }
                     let durable_at = durable.borrow_and_update().get(&*self.partition).copied();
                     if let Some(Offset(lsn, seq)) = durable_at {
                         replication.update_applied_lsn(Lsn::from_u64(if seq == u64::MAX { lsn + 1 } else { lsn }));
                         in_flight_free = seq == u64::MAX && Some(lsn) == self.last_commit && self.tx.is_none();
+                        self.resumed_from = Some(Offset(lsn, seq));
                     }
+                    continue;
+                }
+                at = async {
+                    match &mut self.caught_up {
+                        CaughtUp::Pending(rx) => rx.await.ok(),
+                        _ => std::future::pending().await,
+                    }
+                } => {
+                    self.caught_up = at.map_or(CaughtUp::Never, CaughtUp::At);
+                    continue;
+                }
+                _ = slot_check.tick() => {
+                    self.check_slot().await?;
                     continue;
                 }
                 event = replication.recv() => event,
             };
-            let event = event.map_err(|e| SourceError::Io {
-                message: format!("replication stream failed: {e}"),
-                source: None,
-            })?;
+            let event = match event {
+                Ok(event) => event,
+                Err(e) => return Ok(Ended::Lost(e.to_string())),
+            };
             let Some(event) = event else {
-                return self.flush(out).await;
+                self.flush(out).await?;
+                return Ok(Ended::Done);
             };
             match event {
                 ReplicationEvent::Begin {
@@ -403,7 +686,12 @@ impl Reader {
                     self.tx = Some(tx);
                     in_flight_free = false;
                 }
-                ReplicationEvent::XLogData { data, .. } => self.data(data).await?,
+                ReplicationEvent::XLogData { data, .. } => {
+                    if let Err(e) = self.data(data).await {
+                        // A catalog look-up failed: the control connection is gone too.
+                        return Ok(Ended::Lost(e.to_string()));
+                    }
+                }
                 ReplicationEvent::Commit { .. } => {
                     let Some(tx) = self.tx.take() else {
                         return Err(SourceError::Inconsistent(
@@ -414,13 +702,21 @@ impl Reader {
                     self.last_commit = Some(tx.lsn);
                     self.flush(out).await?;
                 }
-                ReplicationEvent::Message { prefix, lsn, .. } => {
-                    if prefix == CAUGHT_UP_PREFIX
-                        && self.caught_up_at.is_some_and(|at| lsn.as_u64() >= at)
+                ReplicationEvent::Message {
+                    prefix,
+                    lsn,
+                    transactional,
+                    content,
+                } => {
+                    if transactional && prefix == self.rows_prefix && self.tx.is_some() {
+                        self.rows(&content);
+                    } else if prefix == CAUGHT_UP_PREFIX
+                        && matches!(self.caught_up, CaughtUp::At(at) if lsn.as_u64() >= at)
                         && self.tx.is_none()
                     {
                         tracing::info!(lsn = %lsn, "caught up with the slot");
-                        return self.flush(out).await;
+                        self.flush(out).await?;
+                        return Ok(Ended::Done);
                     }
                 }
                 ReplicationEvent::KeepAlive { wal_end, .. } => {
@@ -430,11 +726,141 @@ impl Reader {
                         replication.update_applied_lsn(wal_end);
                     }
                 }
-                ReplicationEvent::StoppedAt { .. } => return self.flush(out).await,
+                ReplicationEvent::StoppedAt { .. } => {
+                    self.flush(out).await?;
+                    return Ok(Ended::Done);
+                }
             }
             if self.chunk.len() >= CHUNK_EVENTS {
                 self.flush(out).await?;
             }
+        }
+    }
+
+    /// Warns when the slot holds back more WAL than allowed; stops when it was invalidated.
+    async fn check_slot(&self) -> Result<(), SourceError> {
+        let row = match self
+            .catalog
+            .query_opt(
+                "SELECT coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::int8, \
+                        coalesce(wal_status, '') FROM pg_replication_slots WHERE slot_name = $1",
+                &[&self.slot],
+            )
+            .await
+        {
+            Ok(row) => row,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot check the slot");
+                return Ok(());
+            }
+        };
+        let Some(row) = row else {
+            return Err(SourceError::Inconsistent(format!(
+                "replication slot `{}` was dropped while the pipeline ran",
+                self.slot
+            )));
+        };
+        let retained = row.get::<_, i64>(0).max(0) as u64;
+        let status: String = row.get(1);
+        if status == "lost" {
+            return Err(slot_lost(&self.slot));
+        }
+        if retained > self.max_retained_wal {
+            tracing::warn!(
+                slot = %self.slot,
+                retained_wal_mib = retained >> 20,
+                limit_mib = self.max_retained_wal >> 20,
+                wal_status = %status,
+                "the slot retains more WAL than `max_retained_wal_mb`: a sink may be stalled; \
+                 the server's disk fills until it catches up (or max_slot_wal_keep_size invalidates the slot)"
+            );
+        }
+        Ok(())
+    }
+
+    /// A snapshot/backfill chunk: its rows become read events at their positions.
+    fn rows(&mut self, content: &Bytes) {
+        let message: ChunkMessage = match serde_json::from_slice(content) {
+            Ok(m) => m,
+            Err(e) => {
+                let position = self.next_position();
+                return self.push_error(
+                    position,
+                    format!("unreadable snapshot chunk: {e}"),
+                    content.clone(),
+                );
+            }
+        };
+        let table = match message.table.split_once('.') {
+            Some((schema, name)) => TableId::new(schema, name),
+            None => TableId::new("public", &message.table),
+        };
+        let Some((commit_ms, xid, lsn)) = self.tx.as_ref().map(|t| (t.commit_ms, t.xid, t.lsn))
+        else {
+            return;
+        };
+        for values in &message.rows {
+            let position = self.next_position();
+            if !self.keep(position.offset) {
+                continue;
+            }
+            let mut after = Row::new();
+            let mut failed = None;
+            for ((column, oid), value) in message.columns.iter().zip(&message.types).zip(values) {
+                let v = match value {
+                    None => Value::Null,
+                    Some(text) => match text_to_json(*oid, text) {
+                        Ok(v) => v,
+                        Err(e) => {
+                            failed = Some(format!("`{table}` column `{column}`: {e}"));
+                            break;
+                        }
+                    },
+                };
+                after.insert(column.clone(), v);
+            }
+            if values.len() != message.columns.len() {
+                failed = Some(format!(
+                    "`{table}` snapshot row has {} values for {} columns",
+                    values.len(),
+                    message.columns.len()
+                ));
+            }
+            if let Some(reason) = failed {
+                let raw = Bytes::from(serde_json::to_vec(values).unwrap_or_default());
+                self.push_error(position, reason, raw);
+                continue;
+            }
+            let key: Row = message
+                .key
+                .iter()
+                .filter_map(|c| after.get(c).map(|v| (c.clone(), v.clone())))
+                .collect();
+            let seq = position.offset.1;
+            self.chunk.push(SourceItem {
+                record: Ok(Record::Change(ChangeEvent {
+                    table: table.clone(),
+                    op: Op::Read,
+                    key: (!key.is_empty()).then(|| Arc::new(key)),
+                    before: None,
+                    after: Some(Arc::new(after)),
+                    source: SourceInfo {
+                        connector: Some("postgresql".into()),
+                        db: self.db.clone(),
+                        ts_ms: Some(commit_ms),
+                        tx_id: Some(i64::from(xid)),
+                        lsn: Some(lsn),
+                        kafka: None,
+                    },
+                    transaction: Some(TxInfo {
+                        id: xid.to_string(),
+                        total_order: Some(seq),
+                        data_collection_order: None,
+                    }),
+                    position,
+                })),
+                raw: Bytes::new(),
+            });
         }
     }
 
@@ -443,6 +869,10 @@ impl Reader {
             return Ok(());
         }
         let chunk = std::mem::take(&mut self.chunk);
+        self.last_sent = chunk.last().map(|item| match &item.record {
+            Ok(record) => record.position().offset,
+            Err(e) => e.position.offset,
+        });
         out.send(Ok(chunk))
             .await
             .map_err(|_| SourceError::Inconsistent("the runtime stopped reading".into()))
@@ -472,20 +902,92 @@ impl Reader {
         });
     }
 
-    /// The primary-key columns of a relation, from the catalog (under REPLICA IDENTITY FULL
-    /// pgoutput marks every column as identity, so the flags do not tell the key).
-    async fn primary_key(&self, relation: u32) -> Result<Vec<String>, SourceError> {
+    /// The primary-key columns of a relation and their SQL types, from the catalog (under
+    /// REPLICA IDENTITY FULL pgoutput marks every column as identity, so the flags do not tell
+    /// the key).
+    async fn primary_key(&self, relation: u32) -> Result<Vec<(String, String)>, SourceError> {
         let rows = self
             .catalog
             .query(
-                "SELECT a.attname::text FROM pg_index i \
+                "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod) FROM pg_index i \
                  JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) \
                  WHERE i.indrelid = $1 AND i.indisprimary ORDER BY array_position(i.indkey, a.attnum)",
                 &[&relation],
             )
             .await
             .map_err(io(format!("cannot read the primary key of relation {relation}")))?;
-        Ok(rows.iter().map(|r| r.get(0)).collect())
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
+    /// Fills the unchanged TOASTed values of `new` (which PostgreSQL did not send, and no full
+    /// old row holds) by re-reading them from the table by key. The value read is the row's
+    /// current one, which the rest of the stream leads to anyway; a row gone since is deleted
+    /// or re-keyed by a later change in the stream, so its columns are left null until then.
+    async fn refetch_toasted(&self, relation: u32, new: &mut Tuple) -> Result<(), SourceError> {
+        let Some(info) = self.relations.get(&relation) else {
+            return Ok(());
+        };
+        let missing: Vec<usize> = new
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| matches!(d, Datum::UnchangedToast))
+            .map(|(i, _)| i)
+            .collect();
+        let mut key_values: Vec<String> = Vec::new();
+        for column in &info.key_columns {
+            let index = info.shape.columns.iter().position(|c| &c.name == column);
+            match index.and_then(|i| new.get(i)) {
+                Some(Datum::Text(bytes)) => {
+                    key_values.push(String::from_utf8_lossy(bytes).into_owned())
+                }
+                // No usable key: leave the values unsent (the change is then dead-lettered).
+                _ => return Ok(()),
+            }
+        }
+        if key_values.is_empty() || info.key_types.len() != key_values.len() {
+            return Ok(());
+        }
+        let columns: Vec<String> = missing
+            .iter()
+            .map(|i| format!("{}::text", quote_ident(&info.shape.columns[*i].name)))
+            .collect();
+        let keys: Vec<String> = info.key_columns.iter().map(|c| quote_ident(c)).collect();
+        let params: Vec<String> = info
+            .key_types
+            .iter()
+            .enumerate()
+            .map(|(i, t)| format!("${}::text::{t}", i + 1))
+            .collect();
+        let sql = format!(
+            "SELECT {} FROM {}.{} WHERE ({}) = ({})",
+            columns.join(", "),
+            quote_ident(&info.shape.namespace),
+            quote_ident(&info.shape.name),
+            keys.join(", "),
+            params.join(", ")
+        );
+        let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = key_values
+            .iter()
+            .map(|v| v as &(dyn tokio_postgres::types::ToSql + Sync))
+            .collect();
+        let row = self
+            .catalog
+            .query_opt(&sql, &params)
+            .await
+            .map_err(io(format!(
+                "cannot re-read unchanged TOASTed values of `{}`",
+                info.table
+            )))?;
+        for (n, i) in missing.iter().enumerate() {
+            new[*i] = match row.as_ref().map(|r| r.get::<_, Option<String>>(n)) {
+                Some(Some(text)) => Datum::Text(Bytes::from(text)),
+                _ => Datum::Null,
+            };
+        }
+        if row.is_none() {
+            tracing::debug!(table = %info.table, "row gone before its unchanged TOASTed values could be re-read");
+        }
+        Ok(())
     }
 
     /// Handles one pgoutput data message.
@@ -501,28 +1003,43 @@ impl Reader {
         match message {
             Message::Relation(shape) => {
                 let table = TableId::new(&shape.namespace, &shape.name);
-                let mut key_columns = self.primary_key(shape.id).await?;
-                if key_columns.is_empty() && shape.replica_identity != b'f' {
-                    key_columns = shape
-                        .columns
-                        .iter()
-                        .filter(|c| c.key)
-                        .map(|c| c.name.clone())
-                        .collect();
+                let mut key = self.primary_key(shape.id).await?;
+                if key.is_empty() && shape.replica_identity != b'f' {
+                    for c in shape.columns.iter().filter(|c| c.key) {
+                        let row = self
+                            .catalog
+                            .query_one(
+                                "SELECT format_type($1, $2)",
+                                &[&c.type_oid, &c.type_modifier],
+                            )
+                            .await
+                            .map_err(io("cannot read a column type"))?;
+                        key.push((c.name.clone(), row.get(0)));
+                    }
                 }
+                let (key_columns, key_types) = key.into_iter().unzip();
                 self.relations.insert(
                     shape.id,
                     RelationInfo {
                         table,
                         shape,
                         key_columns,
+                        key_types,
                     },
                 );
             }
             Message::Insert { relation, new } => {
                 self.change(relation, Op::Create, None, Some(new), &data)
             }
-            Message::Update { relation, old, new } => {
+            Message::Update {
+                relation,
+                old,
+                mut new,
+            } => {
+                let full_old = old.as_ref().is_some_and(|(k, _)| *k == OldKind::Full);
+                if !full_old && new.iter().any(|d| matches!(d, Datum::UnchangedToast)) {
+                    self.refetch_toasted(relation, &mut new).await?;
+                }
                 self.change(relation, Op::Update, old, Some(new), &data)
             }
             Message::Delete { relation, old } => {
@@ -570,10 +1087,9 @@ impl Reader {
         new: Option<Tuple>,
         raw: &Bytes,
     ) {
+        // Positions are numbered the same way on every read of the transaction, whatever is
+        // skipped, so a resume inside it skips exactly what was durable.
         let position = self.next_position();
-        if !self.keep(position.offset) {
-            return;
-        }
         let Some(info) = self.relations.get(&relation) else {
             self.push_error(
                 position,
@@ -615,18 +1131,62 @@ impl Reader {
             },
             None => None,
         };
-        let key_source = after.as_ref().or(before.as_ref());
         // Key columns in key order; a table without any key gets none (the projection then
         // uses its configured key columns, or dead-letters the change).
-        let key: Option<Row> = key_source.map(|r| {
+        let key_of = |r: &Row| -> Row {
             info.key_columns
                 .iter()
                 .filter_map(|c| r.get(c).map(|v| (c.clone(), v.clone())))
                 .collect()
-        });
+        };
+        let key: Option<Row> = after.as_ref().or(before.as_ref()).map(key_of);
+        // An update that changes the key is a delete of the old key and a create of the new
+        // one, as Debezium emits it (the old row carries the old key whenever it changed).
+        if op == Op::Update {
+            if let (Some(old_row), Some(new_key)) = (&before, &key) {
+                let old_key = key_of(old_row);
+                if old_key.len() == info.key_columns.len()
+                    && !old_key.is_empty()
+                    && old_key != *new_key
+                {
+                    let before = before.clone();
+                    let table = info.table.clone();
+                    let second = self.next_position();
+                    if self.keep(position.offset) {
+                        self.push_change(
+                            table.clone(),
+                            Op::Delete,
+                            Some(old_key),
+                            before,
+                            None,
+                            position,
+                        );
+                    }
+                    if self.keep(second.offset) {
+                        self.push_change(table, Op::Create, key, None, after, second);
+                    }
+                    return;
+                }
+            }
+        }
+        if self.keep(position.offset) {
+            let table = info.table.clone();
+            self.push_change(table, op, key, before, after, position);
+        }
+    }
+
+    fn push_change(
+        &mut self,
+        table: TableId,
+        op: Op,
+        key: Option<Row>,
+        before: Option<Row>,
+        after: Option<Row>,
+        position: Position,
+    ) {
         let tx = self.tx.as_ref();
         let event = ChangeEvent {
-            table: info.table.clone(),
+            table,
             op,
             key: key.filter(|k| !k.is_empty()).map(Arc::new),
             before: before.map(Arc::new),
