@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Benchmark: the initial snapshot of a ROWS-row table into the null sink (PostgreSQL source with
+# `snapshot = "initial"` -> replica projection -> null sink), next to
+# `COPY (SELECT * FROM t) TO STDOUT` of the same table into /dev/null, in the same run.
+# Each refract round starts from no slot and no state, so it creates the slot and reads every
+# row in chunks through the WAL (what a first `refract run` or a `refract backfill` does).
+# Prints `refract rows/s / COPY rows/s = ratio` and refract's peak RSS.
+#
+# Usage: benches/pg_snapshot.sh [ROWS]   (default 1000000; PG_URL as in the environment contract)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rows=${1:-1000000}
+url=${PG_URL:-postgres://postgres@127.0.0.1:5432/refract}
+work=$(mktemp -d)
+[ -x /usr/bin/time ] || { apt-get update -qq && apt-get install -y -qq time; }
+cargo build --release --locked -q -p refract
+refract=${CARGO_TARGET_DIR:-target}/release/refract
+sql() { psql "$url" -v ON_ERROR_STOP=1 -Atqc "$1"; }
+drop_slot() {
+    sql "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = 'refract_bench_snap'" >/dev/null
+}
+cleanup() {
+    drop_slot || true
+    sql "SET client_min_messages = warning; DROP PUBLICATION IF EXISTS refract_bench_snap; DROP TABLE IF EXISTS bench_snap;" >/dev/null || true
+    rm -rf "$work"
+}
+trap cleanup EXIT
+cleanup; mkdir -p "$work"
+
+sql "CREATE TABLE bench_snap (id int PRIMARY KEY, name text NOT NULL, qty int, price numeric(12,2), note text);
+     INSERT INTO bench_snap SELECT g, 'item ' || g, g % 100, g / 100.0, 'note ' || g FROM generate_series(1, $rows) g;"
+sql "VACUUM ANALYZE bench_snap"
+cat > "$work/snap.toml" <<TOML
+[pipeline]
+name = "bench_snap"
+state_dir = "$work/state"
+[source]
+kind = "postgres"
+url = "$url"
+tables = ["public.bench_snap"]
+snapshot = "initial"
+chunk_rows = ${CHUNK_ROWS:-10000}
+[projections.replica]
+kind = "replica"
+sinks = ["null"]
+[sinks.null]
+kind = "null"
+TOML
+
+now() { python3 -c 'import time; print(time.time())'; }
+copy_out() {
+    local start; start=$(now)
+    psql "$url" -Atqc "COPY (SELECT * FROM bench_snap) TO STDOUT" > /dev/null
+    python3 -c "import time; print(time.time() - $start)" >> "$work/copy_secs"
+}
+snapshot() {
+    drop_slot; rm -rf "$work/state"
+    local start; start=$(now)
+    RUST_LOG=warn /usr/bin/time -f '%M' -o "$work/rss" "$refract" run "$work/snap.toml" --until-caught-up \
+        --summary-json "$work/summary.json" >/dev/null
+    python3 -c "import time; print(time.time() - $start)" >> "$work/refract_secs"
+    cat "$work/rss" >> "$work/rss_all"
+    python3 - "$work/summary.json" "$rows" <<'PY'
+import json, sys
+summary, rows = json.load(open(sys.argv[1])), int(sys.argv[2])
+read = summary["changes"].get("r", 0)
+if read != rows or summary["dead_letters"] != 0:
+    sys.exit(f"refract read {summary['changes']} with {summary['dead_letters']} dead letters; expected {rows} reads")
+PY
+}
+
+# Two rounds with the order swapped, so neither side profits from the other's warm caches.
+for round in 1 2; do
+    echo "round $round"
+    if [ "$round" = 1 ]; then copy_out; snapshot; else snapshot; copy_out; fi
+done
+python3 - "$rows" "$work" <<'PY'
+import sys
+rows, work = int(sys.argv[1]), sys.argv[2]
+read = lambda f: [float(x) for x in open(f"{work}/{f}").read().split()]
+ref, copy, rss = min(read("refract_secs")), min(read("copy_secs")), max(read("rss_all"))
+r, c = rows / ref, rows / copy
+print(f"table: {rows} rows (id int, name text, qty int, price numeric, note text) (best of 2 rounds)")
+print(f"snapshot rows/s: refract {r:,.0f} ({ref:.2f}s) / COPY TO STDOUT {c:,.0f} ({copy:.2f}s) = {r / c:.2f}x")
+print(f"refract peak RSS: {rss / 1024:.1f} MiB")
+rounds = lambda f: ", ".join(f"{x:.2f}s" for x in read(f))
+print(f"  each round: refract {rounds('refract_secs')}; COPY {rounds('copy_secs')}")
+PY
