@@ -414,7 +414,7 @@ fn update_delete_load(name: &str, rows: u64, rate: u32, seconds: u32) -> std::pr
 fn the_initial_snapshot_reads_existing_rows_and_resumes_after_sigkill() {
     let name = "pg_snapshot";
     fresh_table(name);
-    let rows = size(30_000, 100_000);
+    let rows = size(40_000, 100_000);
     psql(&format!(
         "INSERT INTO {name} SELECT g, 'row ' || g, g % 13, g * 0.25, CASE WHEN g % 4 = 0 THEN NULL ELSE 'n' || g END \
          FROM generate_series(1, {rows}) g"
@@ -422,52 +422,82 @@ fn the_initial_snapshot_reads_existing_rows_and_resumes_after_sigkill() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let pipeline = pipeline_file_with(dir.path(), name, &out, "chunk_rows = 1000");
-    let progress_file = dir.path().join(format!("state/{name}/snapshot.json"));
-    let snapshot_rows = || -> u64 {
-        let Ok(text) = std::fs::read_to_string(&progress_file) else {
-            return 0;
-        };
+    let state = dir.path().join(format!("state/{name}"));
+    let snapshot_rows = || -> Option<u64> {
+        let text = std::fs::read_to_string(state.join("snapshot.json")).ok()?;
         let v: Value = serde_json::from_str(&text).unwrap();
         v["tables"]
             .as_array()
-            .map_or(0, |t| t.iter().map(|t| t["rows"].as_u64().unwrap()).sum())
+            .map(|t| t.iter().map(|t| t["rows"].as_u64().unwrap()).sum())
     };
-
-    // Kill the daemon while it reads the snapshot, with writes going on; each restart resumes
-    // where the last committed chunk ended.
-    let mut rng = Rng::new(11);
-    let mut kills = 0;
-    let mut resumed_at = Vec::new();
-    for round in 0..6 {
-        let mut daemon = Running::spawn(
+    let spawn = || {
+        Running::spawn(
             refract()
                 .arg("run")
                 .arg(&pipeline)
                 .stdout(Stdio::null())
                 .stderr(Stdio::null()),
-        );
+        )
+    };
+    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        while !done() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "timed out waiting for {what}"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+
+    // 1. The first run creates the slot and reads the exported snapshot with COPY; it is killed
+    //    once more than 10,000 rows (the first note of the key reached) are in the read model.
+    let mut daemon = spawn();
+    wait_for("12,000 documents", &|| {
+        std::fs::read_dir(out.join(name)).map_or(0, |d| d.count()) >= 12_000
+    });
+    daemon.child().kill().unwrap();
+    daemon.child().wait().unwrap();
+    assert!(
+        state.join("snapshot-copy.json").exists(),
+        "killed inside the COPY phase"
+    );
+    psql(&format!(
+        "UPDATE {name} SET name = 'changed' WHERE id % 1000 = 1;
+         DELETE FROM {name} WHERE id % 997 = 1;
+         INSERT INTO {name} VALUES ({id}, 'new', 1, 1.00, NULL);",
+        id = rows + 1
+    ));
+
+    // 2. Restarts resume after the last noted key that was durable, in chunks, not from zero;
+    //    killed again at random moments, with writes in between.
+    let mut rng = Rng::new(11);
+    let mut kills = 1;
+    let mut progress = Vec::new();
+    for round in 0..5u64 {
+        let mut daemon = spawn();
         psql(&format!(
             "UPDATE {name} SET name = 'changed {round}' WHERE id % 1000 = {round};
              DELETE FROM {name} WHERE id % 997 = {round};
              INSERT INTO {name} VALUES ({id}, 'new', 1, 1.00, NULL) ON CONFLICT (id) DO NOTHING;",
-            id = rows + 1 + round
+            id = rows + 2 + round
         ));
-        std::thread::sleep(Duration::from_millis(400 + rng.below(800)));
+        std::thread::sleep(Duration::from_millis(300 + rng.below(700)));
         let child = daemon.child();
         if child.try_wait().unwrap().is_none() {
             child.kill().unwrap();
             kills += 1;
         }
         child.wait().unwrap();
-        resumed_at.push(snapshot_rows());
+        progress.push(snapshot_rows().unwrap_or(0));
     }
     assert!(
-        resumed_at.windows(2).all(|w| w[0] <= w[1]),
-        "snapshot progress never goes back: {resumed_at:?}"
+        progress[0] >= 10_000,
+        "the chunked rest started after the first noted key, not from zero: {progress:?}"
     );
     assert!(
-        resumed_at[0] > 0 && resumed_at[0] < rows,
-        "the first kill landed inside the snapshot: {resumed_at:?}"
+        progress.windows(2).all(|w| w[0] <= w[1]),
+        "snapshot progress never goes back: {progress:?}"
     );
     catch_up(&pipeline);
     let expected = table_state(name);
@@ -477,12 +507,45 @@ fn the_initial_snapshot_reads_existing_rows_and_resumes_after_sigkill() {
         &format!("after the snapshot and {kills} kills"),
     );
     let done: Value =
-        serde_json::from_str(&std::fs::read_to_string(&progress_file).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(state.join("snapshot.json")).unwrap())
+            .unwrap();
     assert_eq!(done["complete"], true);
+    assert!(!state.join("snapshot-copy.json").exists());
     eprintln!(
-        "snapshot of {rows} rows, {kills} SIGKILLs, progress after each: {resumed_at:?}; {} rows equal",
+        "snapshot of {rows} rows, {kills} SIGKILLs (the first inside COPY), chunk progress after each restart: {progress:?}; {} rows equal",
         expected.len()
     );
+    drop_slot(name);
+}
+
+#[test]
+fn the_initial_snapshot_is_consistent_with_writes_during_it() {
+    let name = "pg_snapshot_live";
+    fresh_table(name);
+    let rows = size(20_000, 50_000);
+    psql(&format!(
+        "INSERT INTO {name} SELECT g, 'row ' || g, g % 13, g * 0.25, NULL FROM generate_series(1, {rows}) g"
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let pipeline = pipeline_file(dir.path(), name, &out);
+    // Updates and deletes run while the first run creates the slot and reads the snapshot.
+    let mut load = update_delete_load(name, rows, 200, 8);
+    std::thread::sleep(Duration::from_millis(500));
+    let mut daemon = Running::spawn(
+        refract()
+            .arg("run")
+            .arg(&pipeline)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    assert!(load.wait().unwrap().success(), "pgbench failed");
+    daemon.terminate();
+    assert!(daemon.child().wait().unwrap().success());
+    catch_up(&pipeline);
+    let expected = table_state(name);
+    assert!((expected.len() as u64) < rows, "the load deleted rows");
+    assert_read_model(&expected, &out, "after a snapshot under load");
     drop_slot(name);
 }
 

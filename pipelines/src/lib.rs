@@ -1,6 +1,8 @@
 //! The refract runtime (wiring, batching, checkpoints, backpressure, shutdown) and the commands
 //! of the `refract` binary.
 
+pub mod backfill;
 pub mod checkpoint;
+pub mod drop;
 pub mod plan;
 pub mod runtime;

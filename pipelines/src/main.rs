@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use refract::runtime::{self, RunError, RunOptions};
-use refract_connectors::ReadMode;
+use refract_connectors::{BackfillScope, ReadMode};
 use refract_schemas::config::{self, LoadedPipeline};
 use tokio::sync::watch;
 
@@ -47,6 +47,18 @@ enum Command {
         #[arg(long)]
         summary_json: Option<PathBuf>,
     },
+    /// Re-read existing rows of a PostgreSQL source into the read models: chunked by primary
+    /// key, resumable, safe while the daemon streams.
+    Backfill {
+        /// The pipeline file.
+        pipeline: PathBuf,
+        /// Only these tables (`schema.table` or `table`; repeatable). Default: every published table.
+        #[arg(long = "table")]
+        tables: Vec<String>,
+        /// Start over instead of resuming an interrupted backfill of the same tables.
+        #[arg(long)]
+        restart: bool,
+    },
     /// Check pipeline files; errors name file, line and field path.
     Validate {
         /// The pipeline files.
@@ -57,6 +69,15 @@ enum Command {
     Plan {
         /// The pipeline file.
         pipeline: PathBuf,
+    },
+    /// Remove a pipeline's replication slot, its publication (when `create = true`) and its
+    /// state directory, so that its next run starts over. Refused while the pipeline runs.
+    Drop {
+        /// The pipeline file.
+        pipeline: PathBuf,
+        /// Really drop (without it, only show what would be dropped and exit 2).
+        #[arg(long)]
+        yes: bool,
     },
     /// Print the JSON Schema of pipeline files (committed as schemas/pipeline.schema.json).
     ConfigSchema,
@@ -90,7 +111,12 @@ fn main() -> ExitCode {
         }
         Command::Plan { pipeline } => match config::load(&pipeline) {
             Ok(loaded) => {
-                print!("{}", refract::plan::render(&loaded));
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("a tokio runtime");
+                let check = rt.block_on(refract::plan::check_source(&loaded));
+                print!("{}", refract::plan::render(&loaded, &check));
                 ExitCode::SUCCESS
             }
             Err(errors) => {
@@ -98,6 +124,25 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
+        Command::Backfill {
+            pipeline,
+            tables,
+            restart,
+        } => {
+            let loaded = match config::load(&pipeline) {
+                Ok(l) => l,
+                Err(errors) => {
+                    eprintln!("{errors}");
+                    return ExitCode::from(2);
+                }
+            };
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .expect("a tokio runtime");
+            rt.block_on(backfill(loaded, BackfillScope { tables, restart }))
+        }
+        Command::Drop { pipeline, yes } => drop_pipeline(&pipeline, yes),
         Command::ConfigSchema => {
             print!("{}", config::json_schema());
             ExitCode::SUCCESS
@@ -128,7 +173,40 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(loaded: LoadedPipeline, mode: ReadMode, summary_json: Option<PathBuf>) -> ExitCode {
+async fn backfill(loaded: LoadedPipeline, scope: BackfillScope) -> ExitCode {
+    let stop_rx = signals();
+    match refract::backfill::run(&loaded, scope, stop_rx).await {
+        Ok(refract::backfill::Outcome::Ran(summary)) => {
+            print!("{}", summary.render());
+            ExitCode::SUCCESS
+        }
+        Ok(refract::backfill::Outcome::ThroughDaemon {
+            tables,
+            skipped,
+            elapsed,
+        }) => {
+            let rows: u64 = tables.iter().map(|(_, n)| n).sum();
+            println!(
+                "backfill of {rows} rows applied by the running daemon in {:.1}s",
+                elapsed.as_secs_f64()
+            );
+            for (table, n) in tables {
+                println!("  {table}: {n} rows");
+            }
+            for (table, why) in skipped {
+                println!("  {table}: skipped ({why})");
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// SIGINT/SIGTERM turn the returned flag true (drain and stop); a second one exits at once.
+fn signals() -> watch::Receiver<bool> {
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         use tokio::signal::unix::{SignalKind, signal};
@@ -147,7 +225,17 @@ async fn run(loaded: LoadedPipeline, mode: ReadMode, summary_json: Option<PathBu
         );
         std::process::exit(130);
     });
-    match runtime::run(&loaded, RunOptions { mode }, stop_rx).await {
+    stop_rx
+}
+
+async fn run(loaded: LoadedPipeline, mode: ReadMode, summary_json: Option<PathBuf>) -> ExitCode {
+    let stop_rx = signals();
+    let options = RunOptions {
+        mode,
+        backfill: None,
+        progress_bar: false,
+    };
+    match runtime::run(&loaded, options, stop_rx).await {
         Ok(summary) => {
             print!("{}", summary.render());
             if let Some(path) = summary_json {
@@ -167,6 +255,23 @@ async fn run(loaded: LoadedPipeline, mode: ReadMode, summary_json: Option<PathBu
             }
         }
     }
+}
+
+/// `refract drop`: exit 0 dropped (or nothing to drop), 1 refused or failed, 2 configuration
+/// error or `--yes` missing.
+fn drop_pipeline(pipeline: &std::path::Path, yes: bool) -> ExitCode {
+    let loaded = match config::load(pipeline) {
+        Ok(l) => l,
+        Err(errors) => {
+            eprintln!("{errors}");
+            return ExitCode::from(2);
+        }
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    ExitCode::from(rt.block_on(refract::drop::run(&loaded, yes)))
 }
 
 fn init_logging(format: LogFormat) {

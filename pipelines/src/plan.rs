@@ -1,16 +1,59 @@
 //! `refract plan`: what a pipeline will read, keep and write, with secrets masked.
+//!
+//! For a PostgreSQL source, [`check_source`] asks the database (through the connectors crate)
+//! about the slot, the publication and the published tables; [`render`] shows them next to the
+//! file's plan and ends with warnings about what would go wrong: tables PostgreSQL would refuse
+//! to update once published, replica identities that do not send what a projection needs from
+//! the old row, an invalidated slot.
 
 use std::fmt::Write as _;
+use std::time::Duration;
 
+use refract_connectors::sources::postgres::{Inspection, PgAdmin, ReplicaIdentity, TableInfo};
+use refract_projections::Projection;
+use refract_schemas::TableId;
 use refract_schemas::config::{
-    LoadedPipeline, OnError, ProjectionConfig, SinkConfig, SourceConfig, mask_url,
+    LoadedPipeline, OnError, PipelineFile, PostgresSourceConfig, ProjectionConfig, SinkConfig,
+    SnapshotMode, SourceConfig, mask_url,
 };
 
 use crate::checkpoint::{CheckpointError, CheckpointStore};
 use crate::runtime::{default_dead_letter_path, state_path};
 
-/// Renders the plan of a loaded pipeline.
-pub fn render(loaded: &LoadedPipeline) -> String {
+/// How long `plan` waits for the database before showing the plan without it.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// What the source's own store says, when it can be asked.
+#[derive(Debug)]
+pub enum SourceCheck {
+    /// Nothing to ask (file source).
+    NotApplicable,
+    /// The database could not be asked; why.
+    Unreachable(String),
+    /// What the PostgreSQL source's database says.
+    Postgres(Box<Inspection>),
+}
+
+/// Asks the source's store about the pipeline (PostgreSQL: slot, publication, tables).
+pub async fn check_source(loaded: &LoadedPipeline) -> SourceCheck {
+    let SourceConfig::Postgres(pg) = &loaded.config.source else {
+        return SourceCheck::NotApplicable;
+    };
+    let inspect = async {
+        let admin = PgAdmin::connect(&pg.url).await?;
+        admin.inspect(pg, &loaded.config.pipeline.name).await
+    };
+    match tokio::time::timeout(CHECK_TIMEOUT, inspect).await {
+        Ok(Ok(inspection)) => SourceCheck::Postgres(Box::new(inspection)),
+        Ok(Err(e)) => SourceCheck::Unreachable(e.to_string()),
+        Err(_) => {
+            SourceCheck::Unreachable(format!("no answer within {} s", CHECK_TIMEOUT.as_secs()))
+        }
+    }
+}
+
+/// Renders the plan of a loaded pipeline, with what [`check_source`] found.
+pub fn render(loaded: &LoadedPipeline, check: &SourceCheck) -> String {
     let c = &loaded.config;
     let show = |path: &str, value: &str| -> String {
         if loaded.secret_paths.contains(path) {
@@ -92,6 +135,17 @@ pub fn render(loaded: &LoadedPipeline) -> String {
                 },
                 pg.create
             );
+            match check {
+                SourceCheck::Postgres(inspection) => render_postgres(&mut out, pg, inspection),
+                SourceCheck::Unreachable(why) => {
+                    let _ = writeln!(
+                        out,
+                        "  database    could not connect to check the slot, publication and tables ({why}); \
+                         the plan is from the file alone"
+                    );
+                }
+                SourceCheck::NotApplicable => {}
+            }
         }
     }
     for (name, p) in &c.projections {
@@ -143,5 +197,767 @@ pub fn render(loaded: &LoadedPipeline) -> String {
             vars.into_iter().collect::<Vec<_>>().join(", ")
         );
     }
+    if let (SourceCheck::Postgres(inspection), SourceConfig::Postgres(pg)) = (check, &c.source) {
+        let projections: Vec<(String, Box<dyn Projection>)> = c
+            .projections
+            .iter()
+            .map(|(name, p)| (name.clone(), refract_projections::build(p)))
+            .collect();
+        let file = loaded.file.display().to_string();
+        for finding in findings(&file, c, pg, inspection, &projections) {
+            let _ = writeln!(out, "{finding}");
+        }
+    }
     out
+}
+
+/// The database's side of a PostgreSQL source: server, slot, publication, tables.
+fn render_postgres(out: &mut String, pg: &PostgresSourceConfig, i: &Inspection) {
+    let s = &i.server;
+    let _ = writeln!(
+        out,
+        "  server      PostgreSQL {}, wal_level {}, role `{}`{}, database `{}`",
+        s.version,
+        s.wal_level,
+        s.user,
+        if s.can_replicate {
+            " (may replicate)"
+        } else {
+            " (no REPLICATION)"
+        },
+        s.database
+    );
+    match &i.slot {
+        None if pg.create => {
+            let _ = writeln!(
+                out,
+                "  slot        `{}` does not exist: `refract run` creates it (pgoutput), then {}",
+                i.slot_name,
+                match pg.snapshot {
+                    SnapshotMode::Initial => "reads the existing rows (snapshot = \"initial\")",
+                    SnapshotMode::Never => "streams changes only (snapshot = \"never\")",
+                }
+            );
+        }
+        None => {
+            let _ = writeln!(
+                out,
+                "  slot        `{}` does not exist (and `create = false`)",
+                i.slot_name
+            );
+        }
+        Some(slot) if !slot.in_this_database => {
+            let _ = writeln!(
+                out,
+                "  slot        `{}` exists but is a {} slot of {}",
+                i.slot_name,
+                slot.slot_type,
+                slot.database
+                    .as_deref()
+                    .map_or("no database".to_owned(), |d| format!("database `{d}`"))
+            );
+        }
+        Some(slot) => {
+            let mut line = format!("  slot        `{}` exists", i.slot_name);
+            if slot.active {
+                let _ = write!(
+                    line,
+                    ", active (server process {})",
+                    slot.active_pid.map_or("?".to_owned(), |p| p.to_string())
+                );
+            } else {
+                line.push_str(", not active");
+            }
+            let _ = write!(
+                line,
+                ", wal_status {}, confirmed_flush_lsn {}",
+                slot.wal_status.as_deref().unwrap_or("unknown"),
+                slot.confirmed_flush_lsn.as_deref().unwrap_or("none")
+            );
+            if let Some(bytes) = slot.retained_wal_bytes {
+                let _ = write!(line, ", retains {} of WAL", pretty_bytes(bytes));
+            }
+            if let Some(safe) = slot.safe_wal_size {
+                let _ = write!(
+                    line,
+                    " ({} more before it may be invalidated)",
+                    pretty_bytes(safe.max(0))
+                );
+            }
+            let _ = writeln!(out, "{line}");
+        }
+    }
+    let covered = match i.tables.len() {
+        1 => "1 table".to_owned(),
+        n => format!("{n} tables"),
+    };
+    match &i.publication {
+        Some(p) => {
+            let _ = writeln!(
+                out,
+                "  publication `{}` exists{}, publishes {}: {covered}",
+                i.publication_name,
+                if p.all_tables {
+                    " (FOR ALL TABLES)"
+                } else {
+                    ""
+                },
+                p.publishes.join(", ")
+            );
+        }
+        None => {
+            let target = if pg.tables.is_empty() {
+                "ALL TABLES".to_owned()
+            } else {
+                pg.tables
+                    .iter()
+                    .map(|t| match t.split_once('.') {
+                        Some((schema, "*")) => format!("TABLES IN SCHEMA {schema}"),
+                        _ => format!("TABLE {t}"),
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            let _ = writeln!(
+                out,
+                "  publication `{}` does not exist: {} FOR {target}: {covered} now",
+                i.publication_name,
+                if pg.create {
+                    "`refract run` creates it"
+                } else {
+                    "`create = false`, so nobody creates it"
+                }
+            );
+        }
+    }
+    let width = i
+        .tables
+        .iter()
+        .map(|t| t.qualified().len())
+        .max()
+        .unwrap_or(0);
+    for t in &i.tables {
+        let identity = match (&t.replica_identity, &t.identity_index) {
+            (ReplicaIdentity::Index, Some((index, columns))) => {
+                format!("index {index} ({})", columns.join(", "))
+            }
+            (identity, _) => identity.as_str().to_owned(),
+        };
+        let key = if t.primary_key.is_empty() {
+            "no primary key".to_owned()
+        } else {
+            format!("primary key ({})", t.primary_key.join(", "))
+        };
+        let _ = writeln!(
+            out,
+            "    {:width$}  replica identity {identity}, {key}",
+            t.qualified()
+        );
+    }
+}
+
+/// A warning or a note of `plan`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finding {
+    /// Whether something will go wrong (warning) or is worth knowing (note).
+    pub warning: bool,
+    /// What and what to do.
+    pub text: String,
+}
+
+impl std::fmt::Display for Finding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let level = if self.warning { "warning" } else { "note" };
+        write!(f, "{level}: {}", self.text)
+    }
+}
+
+/// What would go wrong, or is worth knowing, with a PostgreSQL source as the database is now.
+/// `file` is the pipeline file (for the commands it suggests); `projections` are the pipeline's
+/// projections by name (each declares what it needs from the old row of a change through
+/// [`Projection::before_image_columns`]).
+pub fn findings(
+    file: &str,
+    config: &PipelineFile,
+    pg: &PostgresSourceConfig,
+    i: &Inspection,
+    projections: &[(String, Box<dyn Projection>)],
+) -> Vec<Finding> {
+    let mut out = Vec::new();
+    let mut warn = |text: String| {
+        out.push(Finding {
+            warning: true,
+            text,
+        })
+    };
+    let s = &i.server;
+    if s.wal_level != "logical" {
+        warn(format!(
+            "wal_level is `{}`: logical replication needs `wal_level = logical` \
+             (ALTER SYSTEM SET wal_level = logical, then restart PostgreSQL)",
+            s.wal_level
+        ));
+    }
+    if !s.can_replicate {
+        warn(format!(
+            "role `{}` has neither REPLICATION nor superuser: `refract run` cannot stream \
+             (ALTER ROLE {} REPLICATION)",
+            s.user, s.user
+        ));
+    }
+    match &i.slot {
+        None if !pg.create => warn(format!(
+            "slot `{}` does not exist and `create = false`: `refract run` will fail; create it \
+             (SELECT pg_create_logical_replication_slot('{}', 'pgoutput')) or set `create = true`",
+            i.slot_name, i.slot_name
+        )),
+        None => {}
+        Some(slot) if !slot.in_this_database => warn(format!(
+            "slot `{}` is not a logical slot of database `{}`: refract cannot use it \
+             (choose another `slot` name)",
+            i.slot_name, s.database
+        )),
+        Some(slot) => {
+            if slot.is_lost() {
+                warn(format!(
+                    "slot `{}` was invalidated (wal_status = lost): PostgreSQL removed WAL the slot \
+                     still needed, so changes were lost and `refract run` stops. To recover: \
+                     `refract drop {} --yes` (drops the slot, the publication if refract may have \
+                     created it, and the pipeline's state), then `refract run` creates a new slot and \
+                     re-reads every table (initial snapshot; with `snapshot = \"never\"`, run \
+                     `refract backfill`). To keep it from happening again, keep the pipeline running \
+                     or raise max_slot_wal_keep_size (now {})",
+                    i.slot_name,
+                    file,
+                    s.max_slot_wal_keep_size.as_deref().unwrap_or("unknown")
+                ));
+            } else if let Some(bytes) = slot
+                .retained_wal_bytes
+                .filter(|b| b.unsigned_abs() > pg.max_retained_wal_mb.saturating_mul(1 << 20))
+            {
+                warn(format!(
+                    "slot `{}` retains {} of WAL, more than `max_retained_wal_mb` ({} MiB): the \
+                     server keeps it until the slot confirms it. Run the pipeline to catch up, or \
+                     `refract drop {file} --yes` if it is abandoned",
+                    i.slot_name,
+                    pretty_bytes(bytes),
+                    pg.max_retained_wal_mb
+                ));
+            }
+            if slot.wal_status.as_deref() == Some("unreserved") {
+                warn(format!(
+                    "slot `{}` has wal_status = unreserved: it retains more WAL than \
+                     max_slot_wal_keep_size and will be invalidated at the next checkpoint unless \
+                     its consumer catches up",
+                    i.slot_name
+                ));
+            }
+            if slot.plugin.as_deref() != Some("pgoutput") {
+                warn(format!(
+                    "slot `{}` uses output plugin `{}`: refract needs pgoutput",
+                    i.slot_name,
+                    slot.plugin.as_deref().unwrap_or("none")
+                ));
+            }
+        }
+    }
+    match &i.publication {
+        None if !pg.create => warn(format!(
+            "publication `{}` does not exist and `create = false`: `refract run` will fail",
+            i.publication_name
+        )),
+        Some(_) => {
+            if let Some(from_file) = &i.file_tables {
+                let published: Vec<String> = i.tables.iter().map(TableInfo::qualified).collect();
+                let only_published: Vec<&str> = published
+                    .iter()
+                    .filter(|t| !from_file.contains(t))
+                    .map(String::as_str)
+                    .collect();
+                let only_in_file: Vec<&str> = from_file
+                    .iter()
+                    .filter(|t| !published.contains(t))
+                    .map(String::as_str)
+                    .collect();
+                if !only_published.is_empty() || !only_in_file.is_empty() {
+                    let mut text = format!(
+                        "publication `{}` exists and covers other tables than `tables` in the file \
+                         (which applies only when refract creates the publication)",
+                        i.publication_name
+                    );
+                    if !only_published.is_empty() {
+                        let _ = write!(
+                            text,
+                            "; published, not in the file: {}",
+                            some(&only_published)
+                        );
+                    }
+                    if !only_in_file.is_empty() {
+                        let _ = write!(
+                            text,
+                            "; in the file, not published: {}",
+                            some(&only_in_file)
+                        );
+                    }
+                    text.push_str(": ALTER PUBLICATION to change what is read");
+                    out.push(Finding {
+                        warning: false,
+                        text,
+                    });
+                }
+            }
+        }
+        None => {}
+    }
+    for u in &i.unmatched {
+        let fatal = u.reason != "the schema has no tables (yet)";
+        out.push(Finding {
+            warning: fatal,
+            text: format!(
+                "`tables` entry `{}`: {}{}",
+                u.pattern,
+                u.reason,
+                if fatal {
+                    "; creating the publication will fail"
+                } else {
+                    ""
+                }
+            ),
+        });
+    }
+    if i.tables.is_empty() {
+        out.push(Finding {
+            warning: true,
+            text: "the publication covers no table: there is nothing to read".into(),
+        });
+    }
+    // Whether PostgreSQL refuses UPDATE/DELETE on published tables without a replica identity.
+    let rejects = i
+        .publication
+        .as_ref()
+        .is_none_or(|p| p.publishes_updates_or_deletes());
+    for t in &i.tables {
+        table_findings(config, t, rejects, projections, &mut out);
+    }
+    out
+}
+
+fn table_findings(
+    config: &PipelineFile,
+    t: &TableInfo,
+    rejects: bool,
+    projections: &[(String, Box<dyn Projection>)],
+    out: &mut Vec<Finding>,
+) {
+    let name = t.qualified();
+    let id = TableId::new(&t.schema, &t.name);
+    let readers: Vec<&(String, Box<dyn Projection>)> =
+        projections.iter().filter(|(_, p)| p.reads(&id)).collect();
+    let warning = |text: String| Finding {
+        warning: true,
+        text,
+    };
+    if readers.is_empty() {
+        out.push(warning(format!(
+            "`{name}` is published but no projection reads it: its changes {}",
+            match config.pipeline.on_error {
+                OnError::DeadLetter => "go to the dead-letter store",
+                OnError::Stop => "stop the pipeline",
+            }
+        )));
+    }
+    // (a) No replica identity: PostgreSQL refuses UPDATE and DELETE once the table is published.
+    let no_identity = match t.replica_identity {
+        ReplicaIdentity::Default => t.primary_key.is_empty(),
+        ReplicaIdentity::Nothing => true,
+        ReplicaIdentity::Index => t.identity_index.is_none(),
+        ReplicaIdentity::Full => false,
+    };
+    if no_identity {
+        let what = if t.replica_identity == ReplicaIdentity::Nothing {
+            "has REPLICA IDENTITY NOTHING".to_owned()
+        } else {
+            "has no primary key and REPLICA IDENTITY DEFAULT".to_owned()
+        };
+        let rejected = if rejects {
+            "once it is in the publication PostgreSQL rejects its UPDATE and DELETE \
+             (\"does not have a replica identity and publishes updates\")"
+        } else {
+            "its UPDATE and DELETE carry no old row"
+        };
+        let key = if t.primary_key.is_empty() {
+            ", and refract has no key for its documents"
+        } else {
+            ""
+        };
+        out.push(warning(format!(
+            "`{name}` {what}: {rejected}{key}. Add a primary key, or set \
+             REPLICA IDENTITY USING INDEX (a unique index on NOT NULL columns) or FULL"
+        )));
+    } else if t.primary_key.is_empty() {
+        // FULL (or an index) without a primary key: the source sends no key under FULL.
+        for (pname, config) in readers_config(config, &readers) {
+            // Under USING INDEX the source keys documents by the index's columns.
+            if t.replica_identity != ReplicaIdentity::Full {
+                continue;
+            }
+            let ProjectionConfig::Replica(r) = config;
+            let key = r
+                .key_columns
+                .iter()
+                .find(|(pattern, _)| id.matches(pattern))
+                .map_or(&r.default_key, |(_, cols)| cols);
+            let missing: Vec<&String> = key.iter().filter(|k| !t.columns.contains(k)).collect();
+            if missing.is_empty() {
+                out.push(Finding {
+                    warning: false,
+                    text: format!(
+                        "`{name}` has no primary key: projection `{pname}` keys its documents by \
+                         ({}), which must be unique and never null",
+                        key.join(", ")
+                    ),
+                });
+            } else {
+                out.push(warning(format!(
+                    "`{name}` has no primary key and projection `{pname}` keys it by ({}), which \
+                     the table does not have: refract has no key for its documents and \
+                     dead-letters its changes. Add a primary key or set `key_columns`",
+                    key.join(", ")
+                )));
+            }
+        }
+    }
+    if t.primary_key.is_empty() {
+        out.push(Finding {
+            warning: false,
+            text: format!(
+                "`{name}` has no primary key: the initial snapshot and `refract backfill` leave it \
+                 out (they read tables in key order); only its changes are streamed"
+            ),
+        });
+    }
+    // (b) What projections need from the old row, against what the replica identity sends.
+    if let Some(sent) = t.identity_columns() {
+        let described = match t.replica_identity {
+            ReplicaIdentity::Default if !t.primary_key.is_empty() => format!(
+                "REPLICA IDENTITY DEFAULT sends only the key ({}) in the old row, of deletes and of \
+                 updates that change the key",
+                sent.join(", ")
+            ),
+            ReplicaIdentity::Index => format!(
+                "REPLICA IDENTITY USING INDEX sends only ({}) in the old row",
+                sent.join(", ")
+            ),
+            _ => "no old row is sent".to_owned(),
+        };
+        for (pname, p) in &readers {
+            let missing: Vec<String> = p
+                .before_image_columns(&id)
+                .into_iter()
+                .filter(|c| !sent.contains(c))
+                .collect();
+            if !missing.is_empty() {
+                out.push(warning(format!(
+                    "projection `{pname}` needs ({}) from the old row of `{name}`, but {described}: \
+                     ALTER TABLE {name} REPLICA IDENTITY FULL",
+                    missing.join(", ")
+                )));
+            }
+        }
+        // Unchanged TOAST values are not sent either.
+        if !t.toastable.is_empty() && !readers.is_empty() && !no_identity {
+            out.push(Finding {
+                warning: false,
+                text: format!(
+                    "`{name}` has REPLICA IDENTITY {}: an UPDATE that leaves a TOASTed (large, \
+                     out-of-line) value of ({}) unchanged does not carry that value, so refract \
+                     has to fill it in for projections that write whole rows; with \
+                     REPLICA IDENTITY FULL the old row carries it",
+                    match t.replica_identity {
+                        ReplicaIdentity::Index => "USING INDEX".to_owned(),
+                        other => other.as_str().to_uppercase(),
+                    },
+                    t.toastable.join(", ")
+                ),
+            });
+        }
+    }
+}
+
+/// The configurations of the projections in `readers`, by name.
+fn readers_config<'a>(
+    config: &'a PipelineFile,
+    readers: &[&(String, Box<dyn Projection>)],
+) -> Vec<(&'a str, &'a ProjectionConfig)> {
+    config
+        .projections
+        .iter()
+        .filter(|(name, _)| readers.iter().any(|(n, _)| n == *name))
+        .map(|(name, p)| (name.as_str(), p))
+        .collect()
+}
+
+/// The first few of `items`, and how many more.
+fn some(items: &[&str]) -> String {
+    const SHOWN: usize = 10;
+    let mut text = items[..items.len().min(SHOWN)].join(", ");
+    if items.len() > SHOWN {
+        let _ = write!(text, " and {} more", items.len() - SHOWN);
+    }
+    text
+}
+
+/// `1536` → `1.5 KiB`.
+pub fn pretty_bytes(bytes: i64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if bytes.abs() < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value.abs() >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+#[cfg(test)]
+mod tests {
+    use refract_connectors::sources::postgres::{PublicationState, ServerInfo, SlotState};
+    use refract_projections::{ProjectionError, WriteOp};
+    use refract_schemas::ChangeEvent;
+    use refract_schemas::config::load_str;
+
+    use super::*;
+
+    const PIPELINE: &str = r#"[pipeline]
+name = "shop"
+
+[source]
+kind = "postgres"
+url = "postgres://postgres@127.0.0.1:5432/refract"
+tables = ["public.*"]
+
+[projections.replica]
+kind = "replica"
+tables = ["public.products", "public.orders", "public.events"]
+sinks = ["n"]
+
+[sinks.n]
+kind = "null"
+"#;
+
+    /// A projection that renders keys from non-key columns (like cache invalidation would).
+    struct NeedsSku;
+
+    impl Projection for NeedsSku {
+        fn reads(&self, table: &TableId) -> bool {
+            table.matches("public.products")
+        }
+        fn before_image_columns(&self, _table: &TableId) -> Vec<String> {
+            vec!["id".into(), "sku".into()]
+        }
+        fn project(
+            &mut self,
+            _event: &ChangeEvent,
+            _now_ms: i64,
+            _out: &mut Vec<WriteOp>,
+        ) -> Result<(), ProjectionError> {
+            Ok(())
+        }
+    }
+
+    fn table(name: &str, identity: ReplicaIdentity, pk: &[&str], toastable: &[&str]) -> TableInfo {
+        TableInfo {
+            schema: "public".into(),
+            name: name.into(),
+            replica_identity: identity,
+            primary_key: pk.iter().map(|s| s.to_string()).collect(),
+            identity_index: None,
+            columns: vec!["id".into(), "sku".into(), "note".into()],
+            toastable: toastable.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    fn inspection(slot: Option<SlotState>, tables: Vec<TableInfo>) -> Inspection {
+        Inspection {
+            server: ServerInfo {
+                version: "15.4".into(),
+                version_num: 150_004,
+                wal_level: "logical".into(),
+                max_slot_wal_keep_size: Some("-1".into()),
+                user: "postgres".into(),
+                can_replicate: true,
+                database: "refract".into(),
+            },
+            slot_name: "refract_shop".into(),
+            slot,
+            publication_name: "refract_shop".into(),
+            publication: Some(PublicationState {
+                name: "refract_shop".into(),
+                all_tables: false,
+                publishes: vec!["insert".into(), "update".into(), "delete".into()],
+            }),
+            tables,
+            unmatched: vec![],
+            file_tables: None,
+        }
+    }
+
+    fn run(
+        inspection: &Inspection,
+        extra: Option<Box<dyn Projection>>,
+    ) -> (Vec<String>, Vec<String>) {
+        let loaded = load_str("p.toml", PIPELINE, &|_| None).unwrap();
+        let SourceConfig::Postgres(pg) = &loaded.config.source else {
+            unreachable!()
+        };
+        let mut projections: Vec<(String, Box<dyn Projection>)> = loaded
+            .config
+            .projections
+            .iter()
+            .map(|(n, p)| (n.clone(), refract_projections::build(p)))
+            .collect();
+        if let Some(p) = extra {
+            projections.push(("cache".into(), p));
+        }
+        let found = findings("p.toml", &loaded.config, pg, inspection, &projections);
+        let (warnings, notes): (Vec<_>, Vec<_>) = found.into_iter().partition(|f| f.warning);
+        (
+            warnings.into_iter().map(|f| f.text).collect(),
+            notes.into_iter().map(|f| f.text).collect(),
+        )
+    }
+
+    #[test]
+    fn replica_warns_only_for_tables_without_identity_and_notes_toast() {
+        let i = inspection(
+            None,
+            vec![
+                table("products", ReplicaIdentity::Default, &["id"], &["note"]),
+                table("orders", ReplicaIdentity::Full, &["id"], &["note"]),
+                table("events", ReplicaIdentity::Default, &[], &[]),
+            ],
+        );
+        let (warnings, notes) = run(&i, None);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].contains("`public.events` has no primary key and REPLICA IDENTITY DEFAULT")
+                && warnings[0].contains("rejects its UPDATE and DELETE")
+                && warnings[0].contains("refract has no key"),
+            "{warnings:?}"
+        );
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert!(
+            notes[0].contains("`public.products`") && notes[0].contains("TOASTed"),
+            "{notes:?}"
+        );
+        assert!(
+            notes[1].contains("`public.events` has no primary key: the initial snapshot"),
+            "{notes:?}"
+        );
+    }
+
+    #[test]
+    fn a_projection_needing_old_columns_is_warned_unless_the_identity_sends_them() {
+        let default = inspection(
+            None,
+            vec![table("products", ReplicaIdentity::Default, &["id"], &[])],
+        );
+        let (warnings, _) = run(&default, Some(Box::new(NeedsSku)));
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0]
+                .contains("projection `cache` needs (sku) from the old row of `public.products`")
+                && warnings[0].contains("REPLICA IDENTITY FULL"),
+            "{warnings:?}"
+        );
+        let full = inspection(
+            None,
+            vec![table("products", ReplicaIdentity::Full, &["id"], &[])],
+        );
+        assert!(run(&full, Some(Box::new(NeedsSku))).0.is_empty());
+        let mut by_index = table("products", ReplicaIdentity::Index, &["id"], &[]);
+        by_index.identity_index = Some(("products_id_sku".into(), vec!["id".into(), "sku".into()]));
+        assert!(
+            run(&inspection(None, vec![by_index]), Some(Box::new(NeedsSku)))
+                .0
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn a_lost_slot_says_how_to_recover_and_an_unread_table_is_named() {
+        let slot = SlotState {
+            name: "refract_shop".into(),
+            slot_type: "logical".into(),
+            plugin: Some("pgoutput".into()),
+            database: Some("refract".into()),
+            in_this_database: true,
+            active: false,
+            active_pid: None,
+            wal_status: Some("lost".into()),
+            restart_lsn: None,
+            confirmed_flush_lsn: Some("0/16B3748".into()),
+            retained_wal_bytes: None,
+            safe_wal_size: None,
+        };
+        let i = inspection(
+            Some(slot),
+            vec![table("audit", ReplicaIdentity::Full, &["id"], &[])],
+        );
+        let (warnings, _) = run(&i, None);
+        assert!(
+            warnings
+                .iter()
+                .any(|w| w.contains("invalidated (wal_status = lost)")
+                    && w.contains("refract drop p.toml --yes")
+                    && w.contains("refract backfill")),
+            "{warnings:?}"
+        );
+        assert!(
+            warnings
+                .iter()
+                .any(|w| w.contains("`public.audit` is published but no projection reads it")),
+            "{warnings:?}"
+        );
+    }
+
+    #[test]
+    fn a_slot_retaining_more_than_the_limit_is_warned() {
+        let slot = SlotState {
+            name: "refract_shop".into(),
+            slot_type: "logical".into(),
+            plugin: Some("pgoutput".into()),
+            database: Some("refract".into()),
+            in_this_database: true,
+            active: false,
+            active_pid: None,
+            wal_status: Some("extended".into()),
+            restart_lsn: Some("0/1000000".into()),
+            confirmed_flush_lsn: Some("0/1000000".into()),
+            retained_wal_bytes: Some(3 << 30),
+            safe_wal_size: None,
+        };
+        let i = inspection(
+            Some(slot),
+            vec![table("orders", ReplicaIdentity::Full, &["id"], &[])],
+        );
+        let (warnings, _) = run(&i, None);
+        assert!(
+            warnings.iter().any(|w| w
+                .contains("retains 3.0 GiB of WAL, more than `max_retained_wal_mb` (1024 MiB)")),
+            "{warnings:?}"
+        );
+    }
+
+    #[test]
+    fn bytes_are_pretty() {
+        assert_eq!(pretty_bytes(0), "0 B");
+        assert_eq!(pretty_bytes(1023), "1023 B");
+        assert_eq!(pretty_bytes(1536), "1.5 KiB");
+        assert_eq!(pretty_bytes(16 * 1024 * 1024), "16.0 MiB");
+        assert_eq!(pretty_bytes(3 * 1024 * 1024 * 1024), "3.0 GiB");
+    }
 }

@@ -63,6 +63,16 @@ pub trait Projection: Send {
     /// Whether events of `table` concern this projection.
     fn reads(&self, table: &TableId) -> bool;
 
+    /// The columns of `table` this projection needs from the before image (the old row) of
+    /// updates and deletes, beyond the record key: e.g. the columns a cache-invalidation
+    /// projection renders into the keys it deletes. Empty when the key is enough.
+    ///
+    /// A PostgreSQL source sends the old row only as its replica identity allows (`DEFAULT`: the
+    /// primary key, and on updates only when the key changes; `USING INDEX`: that index's
+    /// columns; `FULL`: every column), so `refract plan` warns for each table whose replica
+    /// identity does not provide these columns.
+    fn before_image_columns(&self, table: &TableId) -> Vec<String>;
+
     /// Appends the write operations `event` implies to `out`. `now_ms` is the wall-clock time the
     /// runtime handed in (milliseconds since the epoch), for time-based projections.
     fn project(

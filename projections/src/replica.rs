@@ -122,6 +122,13 @@ impl Projection for ReplicaProjection {
         self.config.tables.is_empty() || self.config.tables.iter().any(|t| table.matches(t))
     }
 
+    /// Nothing beyond the key: a delete needs only the key of the document to remove, and a key
+    /// change is seen when the old row carries the key (which every replica identity but
+    /// NOTHING sends when the key changes).
+    fn before_image_columns(&self, _table: &TableId) -> Vec<String> {
+        Vec::new()
+    }
+
     fn project(
         &mut self,
         event: &ChangeEvent,

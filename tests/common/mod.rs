@@ -316,3 +316,409 @@ pub fn write_lines(path: &Path, lines: &[String]) {
     text.push('\n');
     std::fs::write(path, text).unwrap();
 }
+
+/// PostgreSQL helpers for the tests of the PostgreSQL source (`PG_URL`, default
+/// `postgres://postgres@127.0.0.1:5432/refract`, in logical mode).
+pub mod pg {
+    use std::collections::BTreeMap;
+    use std::io::{BufRead, BufReader, Write};
+    use std::path::Path;
+    use std::process::{Child, ChildStdin, Command, Output, Stdio};
+    use std::sync::mpsc;
+    use std::time::{Duration, Instant};
+
+    use serde_json::Value;
+
+    /// How long a psql session, a catch-up run or a wait on the server may take before the test
+    /// fails instead of hanging (a guard against hangs, not an assertion on speed): 300 s, or
+    /// `REFRACT_TEST_HANG_GUARD_SECS`.
+    pub fn hang_guard() -> Duration {
+        Duration::from_secs(
+            std::env::var("REFRACT_TEST_HANG_GUARD_SECS")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(300),
+        )
+    }
+
+    pub fn url() -> String {
+        std::env::var("PG_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/refract".into())
+    }
+
+    /// Runs SQL through psql, failing the test on error; returns psql's unaligned output.
+    pub fn psql(sql: &str) -> String {
+        let out = Command::new("psql")
+            .args([&url(), "-X", "-v", "ON_ERROR_STOP=1", "-Atqc", sql])
+            .output()
+            .expect("psql runs");
+        assert!(
+            out.status.success(),
+            "psql failed on {sql}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    /// Drops slot `refract_{name}` and publication `refract_{name}` (and the listed tables) when
+    /// dropped itself, also when the test fails: a leftover slot retains WAL. Declare it before
+    /// any process or session that uses them, so it is dropped after them.
+    pub struct Cleanup {
+        pub name: String,
+        pub tables: Vec<String>,
+    }
+
+    impl Cleanup {
+        /// Removes what an earlier run may have left, and cleans up again at the end.
+        pub fn new(name: &str, tables: &[&str]) -> Self {
+            let cleanup = Cleanup {
+                name: name.to_owned(),
+                tables: tables.iter().map(|t| (*t).to_owned()).collect(),
+            };
+            cleanup.run().expect("cleaning up an earlier run");
+            cleanup
+        }
+
+        fn run(&self) -> Result<(), String> {
+            let name = &self.name;
+            let mut sql = format!(
+                "SET lock_timeout = '20s';
+                 SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
+                   WHERE slot_name = 'refract_{name}' AND active_pid IS NOT NULL;
+                 SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = 'refract_{name}';
+                 DROP PUBLICATION IF EXISTS refract_{name};"
+            );
+            for table in &self.tables {
+                sql.push_str(&format!("DROP TABLE IF EXISTS public.{table};"));
+            }
+            let out = Command::new("psql")
+                .args([&url(), "-X", "-v", "ON_ERROR_STOP=1", "-Atqc", &sql])
+                .output()
+                .map_err(|e| e.to_string())?;
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(String::from_utf8_lossy(&out.stderr).into_owned())
+            }
+        }
+    }
+
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            // An active slot cannot be dropped: retry briefly while a killed walsender ends.
+            let mut result = self.run();
+            for _ in 0..20 {
+                if result.is_ok() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(250));
+                result = self.run();
+            }
+            match result {
+                Ok(()) => eprintln!("dropped slot and publication refract_{}", self.name),
+                Err(e) => eprintln!(
+                    "WARNING: could not drop slot/publication refract_{}: {e}",
+                    self.name
+                ),
+            }
+        }
+    }
+
+    /// Every row of `table` as `row_to_json` renders it, keyed like the read model
+    /// (`(table, id)`). Only for tables whose columns map the same way in refract (integers,
+    /// text; not `numeric`, which refract keeps as exact strings).
+    pub fn table_rows(table: &str) -> BTreeMap<(String, String), Value> {
+        let json = psql(&format!(
+            "SELECT coalesce(json_agg(row_to_json(t) ORDER BY id), '[]') FROM public.{table} t"
+        ));
+        let rows: Vec<Value> = serde_json::from_str(&json).unwrap();
+        rows.into_iter()
+            .map(|r| ((table.to_owned(), r["id"].to_string()), r))
+            .collect()
+    }
+
+    /// `refract run PIPELINE --until-caught-up --summary-json …`, asserting success; returns the
+    /// run's summary. A run still going after [`hang_guard`] (waiting on a lock the test itself
+    /// holds, say) is killed and fails the test with what the server's sessions were doing.
+    pub fn catch_up(pipeline: &Path) -> Value {
+        let summary = pipeline.with_file_name(format!(
+            "summary-{}.json",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        ));
+        let child = super::refract()
+            .arg("run")
+            .arg(pipeline)
+            .arg("--until-caught-up")
+            .arg("--summary-json")
+            .arg(&summary)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the refract binary starts");
+        let run = wait_guarded(child, "refract run --until-caught-up");
+        assert!(
+            run.status.success(),
+            "catch-up failed ({}): {}",
+            run.status,
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let text = std::fs::read_to_string(&summary).expect("the run wrote its summary");
+        serde_json::from_str(&text).expect("the summary is JSON")
+    }
+
+    /// Waits for `child` (stdout and stderr piped) to end; after [`hang_guard`] kills it and
+    /// fails, naming what every session of the database was doing.
+    pub fn wait_guarded(mut child: Child, what: &str) -> Output {
+        let drain = |mut pipe: Box<dyn std::io::Read + Send>| {
+            std::thread::spawn(move || {
+                let mut v = Vec::new();
+                let _ = pipe.read_to_end(&mut v);
+                v
+            })
+        };
+        let stdout = drain(Box::new(child.stdout.take().unwrap()));
+        let stderr = drain(Box::new(child.stderr.take().unwrap()));
+        let deadline = Instant::now() + hang_guard();
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let sessions = psql(
+                    "SELECT string_agg(format('%s %s %s %s: %s', pid, application_name, state, wait_event_type, left(query, 200)), E'\\n')
+                     FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                );
+                let _ = child.kill();
+                let _ = child.wait();
+                let stderr = stderr.join().unwrap();
+                panic!(
+                    "{what} still running after {:?}, killed. Its stderr: {}\nSessions:\n{sessions}",
+                    hang_guard(),
+                    String::from_utf8_lossy(&stderr)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        Output {
+            status,
+            stdout: stdout.join().unwrap(),
+            stderr: stderr.join().unwrap(),
+        }
+    }
+
+    /// The `changes` counters of a run summary (`{"c": n, "u": n, …}`), as a map.
+    pub fn changes(summary: &Value) -> BTreeMap<String, u64> {
+        summary["changes"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .map(|(k, v)| (k.clone(), v.as_u64().unwrap_or(0)))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// A long-lived psql session fed through stdin, so a test controls how the statements of
+    /// several sessions interleave. `run` waits until psql has executed what it was sent;
+    /// `send` does not (for a statement that blocks on a lock), `wait` catches up with it.
+    pub struct Session {
+        pub label: String,
+        child: Child,
+        stdin: ChildStdin,
+        lines: mpsc::Receiver<String>,
+        marks: u64,
+        /// The server process serving this session.
+        pub pid: i32,
+    }
+
+    impl Session {
+        pub fn open(label: &str) -> Self {
+            let mut child = Command::new("psql")
+                .args([&url(), "-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1"])
+                .env("PGAPPNAME", format!("refract_test_{label}"))
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("psql starts");
+            let stdin = child.stdin.take().unwrap();
+            let stdout = child.stdout.take().unwrap();
+            let (tx, lines) = mpsc::channel();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    if tx.send(line).is_err() {
+                        break;
+                    }
+                }
+            });
+            let mut session = Session {
+                label: label.to_owned(),
+                child,
+                stdin,
+                lines,
+                marks: 0,
+                pid: 0,
+            };
+            let out = session.run("SELECT pg_backend_pid();");
+            session.pid = out.trim().parse().expect("a backend pid");
+            session
+        }
+
+        /// Sends SQL without waiting for it to finish.
+        pub fn send(&mut self, sql: &str) {
+            self.marks += 1;
+            let text = format!("{sql}\n\\echo __refract_mark_{}\n", self.marks);
+            self.stdin
+                .write_all(text.as_bytes())
+                .and_then(|()| self.stdin.flush())
+                .unwrap_or_else(|e| panic!("session {}: psql is gone: {e}", self.label));
+        }
+
+        /// Waits until everything sent so far has been executed; returns its output.
+        pub fn wait(&mut self) -> String {
+            let mark = format!("__refract_mark_{}", self.marks);
+            let mut out = String::new();
+            loop {
+                match self.lines.recv_timeout(hang_guard()) {
+                    Ok(line) if line == mark => return out,
+                    Ok(line) => {
+                        out.push_str(&line);
+                        out.push('\n');
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => panic!(
+                        "session {}: psql ended (an SQL error? see stderr above); output so far: {out}",
+                        self.label
+                    ),
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        panic!("session {}: no answer within {:?}", self.label, hang_guard())
+                    }
+                }
+            }
+        }
+
+        /// Sends SQL and waits until psql executed it; returns its output.
+        pub fn run(&mut self, sql: &str) -> String {
+            self.send(sql);
+            self.wait()
+        }
+
+        /// Waits until this session's server process waits for a lock (a statement sent with
+        /// `send` blocked behind another session's row lock).
+        pub fn wait_until_blocked_on_lock(&self) {
+            let deadline = Instant::now() + hang_guard();
+            loop {
+                let state = psql(&format!(
+                    "SELECT coalesce(wait_event_type, '') FROM pg_stat_activity WHERE pid = {}",
+                    self.pid
+                ));
+                if state == "Lock" {
+                    return;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "session {} never blocked on a lock (wait_event_type {state:?})",
+                    self.label
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+
+    impl Drop for Session {
+        fn drop(&mut self) {
+            // Ends psql (its open transaction, if any, is rolled back by the server).
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    /// Runs `program args…` to its end and returns its output and peak resident set size in
+    /// KiB, with how it was measured: `/usr/bin/time -f %M` (the kernel's ru_maxrss) when
+    /// present, else by polling `/proc/PID/status` VmHWM (a high-water mark, read until the
+    /// process ends).
+    pub fn run_with_peak_rss(
+        program: &Path,
+        args: &[&std::ffi::OsStr],
+        envs: &[(&str, &str)],
+    ) -> (Output, u64, &'static str) {
+        if Path::new("/usr/bin/time").exists() {
+            let file = tempfile_path("rss");
+            let mut cmd = Command::new("/usr/bin/time");
+            cmd.arg("-f").arg("%M").arg("-o").arg(&file).arg(program);
+            cmd.args(args);
+            for (k, v) in envs {
+                cmd.env(k, v);
+            }
+            let out = cmd.output().expect("/usr/bin/time runs");
+            let kib = std::fs::read_to_string(&file)
+                .ok()
+                .and_then(|t| t.lines().last().and_then(|l| l.trim().parse().ok()))
+                .unwrap_or_else(|| {
+                    panic!(
+                        "no peak RSS from /usr/bin/time ({}): {}",
+                        out.status,
+                        String::from_utf8_lossy(&out.stderr)
+                    )
+                });
+            let _ = std::fs::remove_file(&file);
+            return (out, kib, "/usr/bin/time -f %M");
+        }
+        let mut cmd = Command::new(program);
+        cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("the program starts");
+        let status_file = format!("/proc/{}/status", child.id());
+        let mut peak = 0u64;
+        // Drain the pipes in threads so the child never blocks on a full pipe.
+        let mut stdout = child.stdout.take().unwrap();
+        let mut stderr = child.stderr.take().unwrap();
+        let out_thread = std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut stdout, &mut v);
+            v
+        });
+        let err_thread = std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut stderr, &mut v);
+            v
+        });
+        let status = loop {
+            if let Ok(text) = std::fs::read_to_string(&status_file) {
+                if let Some(kib) = text
+                    .lines()
+                    .find_map(|l| l.strip_prefix("VmHWM:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                {
+                    peak = peak.max(kib);
+                }
+            }
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let out = Output {
+            status,
+            stdout: out_thread.join().unwrap(),
+            stderr: err_thread.join().unwrap(),
+        };
+        (out, peak, "polling /proc/PID/status VmHWM")
+    }
+
+    fn tempfile_path(what: &str) -> std::path::PathBuf {
+        std::env::temp_dir().join(format!(
+            "refract-test-{what}-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        ))
+    }
+}

@@ -1,6 +1,14 @@
 //! `kind = "postgres"`: PostgreSQL logical replication. [`pgoutput`] decodes the wire messages,
-//! [`values`] maps text values to JSON, [`source`] runs the slot.
+//! [`values`] maps text values to JSON, [`source`] runs the slot, [`inspect`] reads (and drops)
+//! the slot and publication for `refract plan` and `refract drop`.
 
+pub mod inspect;
 pub mod pgoutput;
+pub mod snapshot;
 pub mod source;
 pub mod values;
+
+pub use inspect::{
+    InspectError, Inspection, PgAdmin, PublicationState, ReplicaIdentity, ServerInfo, SlotState,
+    TableInfo, UnmatchedTable,
+};

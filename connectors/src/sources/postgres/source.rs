@@ -35,7 +35,7 @@ use serde_json::Value;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::pgoutput::{self, Datum, Message, OldKind, Relation, Tuple};
-use super::snapshot::{self, ChunkMessage, ChunkProgress, Chunker};
+use super::snapshot::{self, ChunkMessage, ChunkProgress, Chunker, CopySnapshot};
 use super::values::text_to_json;
 use crate::{ReadMode, Source, SourceContext, SourceError, SourceItem};
 
@@ -141,6 +141,7 @@ impl Source for PostgresSource {
         let client = connect(&self.config.url).await?;
         let resume = checkpoint.get(&*self.partition).copied();
         let snapshot_path = PostgresSource::snapshot_progress_path(&self.context.state_dir);
+        let mut export_snapshot = false;
 
         // Publication.
         let exists = client
@@ -212,12 +213,14 @@ impl Source for PostgresSource {
                     return Err(slot_lost(&self.slot));
                 }
             }
-            None if self.config.create => {
+            None if self.config.create && self.config.snapshot == SnapshotMode::Initial => {
                 // Recorded before the slot exists: a crash right after creating it must not
-                // leave the existing rows unread.
-                if self.config.snapshot == SnapshotMode::Initial {
-                    snapshot::mark_snapshot_due(&snapshot_path)?;
-                }
+                // leave the existing rows unread. The slot itself is created below, on the
+                // replication session, exporting the snapshot the tables are read in.
+                snapshot::mark_snapshot_due(&snapshot_path)?;
+                export_snapshot = true;
+            }
+            None if self.config.create => {
                 client
                     .execute(
                         "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
@@ -242,7 +245,10 @@ impl Source for PostgresSource {
         let (start_lsn, skip_through) = resume_point(resume);
 
         // Rows to read into the stream: a backfill asked for, or an initial snapshot that is due.
-        let chunker = if let Some(scope) = &self.context.backfill {
+        snapshot::resume_after_copy(&self.context.state_dir, resume)?;
+        let chunker = if export_snapshot {
+            None
+        } else if let Some(scope) = &self.context.backfill {
             Some(
                 Chunker::prepare(
                     &self.config.url,
@@ -276,7 +282,7 @@ impl Source for PostgresSource {
         // after the last chunk when rows are being read.
         let mut caught_up = CaughtUp::Never;
         let mut marker_tx = None;
-        if mode == ReadMode::UntilCaughtUp {
+        if mode == ReadMode::UntilCaughtUp && !export_snapshot {
             if chunker.is_some() {
                 let (tx, rx) = oneshot::channel();
                 caught_up = CaughtUp::Pending(rx);
@@ -303,7 +309,25 @@ impl Source for PostgresSource {
         .with_status_interval(STATUS_INTERVAL)
         .with_wakeup_interval(STATUS_INTERVAL)
         .with_application_name("refract");
-        let replication = start_replication(&cfg, start_lsn, resume, &self.slot).await?;
+        let (replication, copy) = if export_snapshot {
+            let (replication, copy) = snapshot::create_slot_exporting(
+                &cfg,
+                &self.config.url,
+                &self.slot,
+                &self.publication,
+                &self.context.state_dir,
+            )
+            .await?;
+            if mode == ReadMode::UntilCaughtUp {
+                caught_up = CaughtUp::At(emit_caught_up_marker(&client).await?);
+            }
+            (replication, Some(copy))
+        } else {
+            (
+                start_replication(&cfg, start_lsn, resume, &self.slot).await?,
+                None,
+            )
+        };
 
         let (tx, rx) = mpsc::channel(CHANNEL_CHUNKS);
         if let Some(chunker) = chunker {
@@ -345,6 +369,9 @@ impl Source for PostgresSource {
             last_commit: resume.map(|o| o.0),
             last_sent: None,
             resumed_from: resume,
+            copy,
+            copy_end: None,
+            state_dir: self.context.state_dir.clone(),
         };
         let stop = self.stop.subscribe();
         tokio::spawn(reader.run(replication, tx, durable, stop));
@@ -468,7 +495,7 @@ fn host_string(host: &tokio_postgres::config::Host) -> String {
     }
 }
 
-fn parse_lsn(text: &str) -> Result<u64, SourceError> {
+pub(crate) fn parse_lsn(text: &str) -> Result<u64, SourceError> {
     let (hi, lo) = text
         .split_once('/')
         .ok_or_else(|| SourceError::Inconsistent(format!("`{text}` is not an LSN")))?;
@@ -523,6 +550,12 @@ struct Reader {
     last_sent: Option<Offset>,
     /// The checkpoint the run started from.
     resumed_from: Option<Offset>,
+    /// An exported snapshot to read before the stream (the initial snapshot's fast path).
+    copy: Option<CopySnapshot>,
+    /// The position of its last row, until that is durable.
+    copy_end: Option<Offset>,
+    /// The pipeline's state directory (snapshot progress).
+    state_dir: PathBuf,
 }
 
 type Chunks = mpsc::Sender<Result<Vec<SourceItem>, SourceError>>;
@@ -543,6 +576,32 @@ impl Reader {
         mut durable: watch::Receiver<Checkpoint>,
         mut stop: watch::Receiver<bool>,
     ) {
+        if let Some(copy) = self.copy.take() {
+            let lsn = copy.lsn;
+            match self.read_copy(copy, &out, &stop).await {
+                Ok(true) => match self.last_sent {
+                    // Complete once the last row is durable (see the durable branch).
+                    Some(last) => self.copy_end = Some(last),
+                    None => {
+                        if let Err(e) =
+                            snapshot::resume_after_copy(&self.state_dir, Some(Offset(lsn + 1, 0)))
+                        {
+                            let _ = out.send(Err(e)).await;
+                            return;
+                        }
+                    }
+                },
+                Ok(false) => {
+                    replication.stop();
+                    return;
+                }
+                Err(e) => {
+                    replication.stop();
+                    let _ = out.send(Err(e)).await;
+                    return;
+                }
+            }
+        }
         let mut failures = 0u32;
         let result = loop {
             let started = Instant::now();
@@ -642,6 +701,11 @@ impl Reader {
                         replication.update_applied_lsn(Lsn::from_u64(if seq == u64::MAX { lsn + 1 } else { lsn }));
                         in_flight_free = seq == u64::MAX && Some(lsn) == self.last_commit && self.tx.is_none();
                         self.resumed_from = Some(Offset(lsn, seq));
+                        if self.copy_end.is_some_and(|end| Offset(lsn, seq) >= end) {
+                            // Every row of the initial snapshot is durable.
+                            snapshot::resume_after_copy(&self.state_dir, Some(Offset(lsn, seq)))?;
+                            self.copy_end = None;
+                        }
                     }
                     continue;
                 }
@@ -778,6 +842,164 @@ impl Reader {
         Ok(())
     }
 
+    /// Reads the exported snapshot's tables with COPY, handing every row out as a read event
+    /// before the stream. Returns false when stopped on request (the next start resumes).
+    async fn read_copy(
+        &mut self,
+        mut copy: CopySnapshot,
+        out: &Chunks,
+        stop: &watch::Receiver<bool>,
+    ) -> Result<bool, SourceError> {
+        use futures::StreamExt as _;
+        let started = Instant::now();
+        let mut total = 0u64;
+        let mut fields: Vec<Option<String>> = Vec::new();
+        for index in 0..copy.tables.len() {
+            let t = copy.tables[index].clone();
+            let table = match t.table.split_once('.') {
+                Some((schema, name)) => TableId::new(schema, name),
+                None => TableId::new("public", &t.table),
+            };
+            let names: Vec<String> = t.columns.iter().map(|(c, _)| c.clone()).collect();
+            let types: Vec<u32> = t.columns.iter().map(|(_, o)| *o).collect();
+            let stream = copy.copy_out(index).await?;
+            futures::pin_mut!(stream);
+            let mut pending: Vec<u8> = Vec::new();
+            let mut row = 0u64;
+            loop {
+                let data = match stream.next().await {
+                    Some(data) => {
+                        data.map_err(io(format!("reading `{}` (COPY) failed", t.table)))?
+                    }
+                    None => break,
+                };
+                pending.extend_from_slice(&data);
+                let mut start = 0;
+                while let Some(n) = memchr::memchr(b'\n', &pending[start..]) {
+                    let line = &pending[start..start + n];
+                    start += n + 1;
+                    row += 1;
+                    let seq = CopySnapshot::seq(index, row);
+                    let position = Position {
+                        partition: self.partition.clone(),
+                        offset: Offset(copy.lsn, seq),
+                    };
+                    if let Err(e) = snapshot::parse_copy_line(line, &mut fields) {
+                        self.push_error(
+                            position,
+                            format!("`{table}` snapshot row: {e}"),
+                            Bytes::copy_from_slice(line),
+                        );
+                        continue;
+                    }
+                    if CopySnapshot::is_mark(row) {
+                        let key = t
+                            .key_index
+                            .iter()
+                            .map(|i| fields.get(*i).cloned().flatten().unwrap_or_default())
+                            .collect();
+                        copy.mark(index, seq, key)?;
+                    }
+                    self.push_read(&table, &t.key, &names, &types, &fields, position, None);
+                }
+                pending.drain(..start);
+                if self.chunk.len() >= CHUNK_EVENTS {
+                    self.flush(out).await?;
+                }
+                if *stop.borrow() {
+                    self.flush(out).await?;
+                    return Ok(false);
+                }
+            }
+            self.flush(out).await?;
+            copy.end(index, CopySnapshot::seq(index, row))?;
+            total += row;
+            tracing::info!(table = %t.table, rows = row, "table read from the slot's snapshot");
+        }
+        tracing::info!(
+            rows = total,
+            secs = started.elapsed().as_secs_f64(),
+            "initial snapshot read; streaming from the slot"
+        );
+        Ok(true)
+    }
+
+    /// Hands out one row read from a table (snapshot or backfill) as a read event.
+    #[allow(clippy::too_many_arguments)]
+    fn push_read(
+        &mut self,
+        table: &TableId,
+        key_names: &[String],
+        columns: &[String],
+        types: &[u32],
+        values: &[Option<String>],
+        position: Position,
+        tx: Option<(i64, u32, u64)>,
+    ) {
+        if !self.keep(position.offset) {
+            return;
+        }
+        if values.len() != columns.len() {
+            let raw = Bytes::from(serde_json::to_vec(values).unwrap_or_default());
+            return self.push_error(
+                position,
+                format!(
+                    "`{table}` snapshot row has {} values for {} columns",
+                    values.len(),
+                    columns.len()
+                ),
+                raw,
+            );
+        }
+        let mut after = Row::new();
+        for ((column, oid), value) in columns.iter().zip(types).zip(values) {
+            let v = match value {
+                None => Value::Null,
+                Some(text) => match text_to_json(*oid, text) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        let raw = Bytes::from(serde_json::to_vec(values).unwrap_or_default());
+                        return self.push_error(
+                            position,
+                            format!("`{table}` column `{column}`: {e}"),
+                            raw,
+                        );
+                    }
+                },
+            };
+            after.insert(column.clone(), v);
+        }
+        let key: Row = key_names
+            .iter()
+            .filter_map(|c| after.get(c).map(|v| (c.clone(), v.clone())))
+            .collect();
+        let seq = position.offset.1;
+        self.chunk.push(SourceItem {
+            record: Ok(Record::Change(ChangeEvent {
+                table: table.clone(),
+                op: Op::Read,
+                key: (!key.is_empty()).then(|| Arc::new(key)),
+                before: None,
+                after: Some(Arc::new(after)),
+                source: SourceInfo {
+                    connector: Some("postgresql".into()),
+                    db: self.db.clone(),
+                    ts_ms: tx.map(|t| t.0),
+                    tx_id: tx.map(|t| i64::from(t.1)),
+                    lsn: tx.map(|t| t.2),
+                    kafka: None,
+                },
+                transaction: tx.map(|t| TxInfo {
+                    id: t.1.to_string(),
+                    total_order: Some(seq),
+                    data_collection_order: None,
+                }),
+                position,
+            })),
+            raw: Bytes::new(),
+        });
+    }
+
     /// A snapshot/backfill chunk: its rows become read events at their positions.
     fn rows(&mut self, content: &Bytes) {
         let message: ChunkMessage = match serde_json::from_slice(content) {
@@ -799,68 +1021,18 @@ impl Reader {
         else {
             return;
         };
+        let tx = Some((commit_ms, xid, lsn));
         for values in &message.rows {
             let position = self.next_position();
-            if !self.keep(position.offset) {
-                continue;
-            }
-            let mut after = Row::new();
-            let mut failed = None;
-            for ((column, oid), value) in message.columns.iter().zip(&message.types).zip(values) {
-                let v = match value {
-                    None => Value::Null,
-                    Some(text) => match text_to_json(*oid, text) {
-                        Ok(v) => v,
-                        Err(e) => {
-                            failed = Some(format!("`{table}` column `{column}`: {e}"));
-                            break;
-                        }
-                    },
-                };
-                after.insert(column.clone(), v);
-            }
-            if values.len() != message.columns.len() {
-                failed = Some(format!(
-                    "`{table}` snapshot row has {} values for {} columns",
-                    values.len(),
-                    message.columns.len()
-                ));
-            }
-            if let Some(reason) = failed {
-                let raw = Bytes::from(serde_json::to_vec(values).unwrap_or_default());
-                self.push_error(position, reason, raw);
-                continue;
-            }
-            let key: Row = message
-                .key
-                .iter()
-                .filter_map(|c| after.get(c).map(|v| (c.clone(), v.clone())))
-                .collect();
-            let seq = position.offset.1;
-            self.chunk.push(SourceItem {
-                record: Ok(Record::Change(ChangeEvent {
-                    table: table.clone(),
-                    op: Op::Read,
-                    key: (!key.is_empty()).then(|| Arc::new(key)),
-                    before: None,
-                    after: Some(Arc::new(after)),
-                    source: SourceInfo {
-                        connector: Some("postgresql".into()),
-                        db: self.db.clone(),
-                        ts_ms: Some(commit_ms),
-                        tx_id: Some(i64::from(xid)),
-                        lsn: Some(lsn),
-                        kafka: None,
-                    },
-                    transaction: Some(TxInfo {
-                        id: xid.to_string(),
-                        total_order: Some(seq),
-                        data_collection_order: None,
-                    }),
-                    position,
-                })),
-                raw: Bytes::new(),
-            });
+            self.push_read(
+                &table,
+                &message.key,
+                &message.columns,
+                &message.types,
+                values,
+                position,
+                tx,
+            );
         }
     }
 
