@@ -502,16 +502,3 @@ url = "file://{}"
         "peak RSS {peak_mib:.1} MiB is over {LIMIT_MIB} MiB for one transaction of {rows} updates"
     );
 }
-
-#[test]
-fn zz_throwaway_guard() {
-    let name = "tx_guard";
-    let _cleanup = Cleanup::new(name, &[name]);
-    create_table(name);
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("out");
-    let pipeline = documents_pipeline(dir.path(), name, &out);
-    let mut s = Session::open("holder");
-    s.run(&format!("BEGIN; INSERT INTO {name} VALUES (1, 'x', 1, NULL);"));
-    catch_up(&pipeline); // slot creation waits for the open transaction
-}

@@ -670,9 +670,9 @@ fn table_findings(
                 warning: false,
                 text: format!(
                     "`{name}` has REPLICA IDENTITY {}: an UPDATE that leaves a TOASTed (large, \
-                     out-of-line) value of ({}) unchanged does not carry that value, so refract \
-                     has to fill it in for projections that write whole rows; with \
-                     REPLICA IDENTITY FULL the old row carries it",
+                     out-of-line) value of ({}) unchanged does not carry it, so refract re-reads \
+                     it by key (one query per such update); with REPLICA IDENTITY FULL the old \
+                     row carries it",
                     match t.replica_identity {
                         ReplicaIdentity::Index => "USING INDEX".to_owned(),
                         other => other.as_str().to_uppercase(),
