@@ -576,8 +576,9 @@ fn backfill_while_the_daemon_streams_under_update_and_delete_load() {
             .stdout(Stdio::null())
             .stderr(Stdio::null()),
     );
-    // 250 transactions/s of one update and one delete each: 500 changes/s.
-    let seconds = 25;
+    // 250 transactions/s of one update and one delete each: 500 changes/s, for longer than the
+    // backfill takes (it is stopped when the backfill is done).
+    let seconds = (10 + rows / 2_000) as u32;
     let mut load = update_delete_load(name, rows, 250, seconds);
     std::thread::sleep(Duration::from_secs(2));
     let started = std::time::Instant::now();
@@ -590,8 +591,12 @@ fn backfill_while_the_daemon_streams_under_update_and_delete_load() {
     let stdout = String::from_utf8_lossy(&backfill.stdout);
     assert!(stdout.contains("applied by the running daemon"), "{stdout}");
     let load_running = load.try_wait().unwrap().is_none();
-    let load_status = load.wait().unwrap();
-    assert!(load_status.success(), "pgbench failed");
+    if load_running {
+        load.kill().unwrap();
+        load.wait().unwrap();
+    } else {
+        assert!(load.wait().unwrap().success(), "pgbench failed");
+    }
     daemon.terminate();
     assert!(daemon.child().wait().unwrap().success());
     catch_up(&pipeline);
@@ -736,5 +741,72 @@ fn a_lost_replication_connection_is_re_established_without_loss() {
         &out,
         &format!("after {terminated} lost connections"),
     );
+    drop_slot(name);
+}
+
+#[test]
+fn retained_wal_over_the_limit_is_warned_and_exported_as_a_metric() {
+    let name = "pg_walwarn";
+    let (dir, out, _) = setup(name);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let pipeline = pipeline_file_with(dir.path(), name, &out, "max_retained_wal_mb = 0");
+    let text = std::fs::read_to_string(&pipeline).unwrap().replacen(
+        "[pipeline.batch]",
+        &format!("metrics_addr = \"127.0.0.1:{port}\"\n\n[pipeline.batch]"),
+        1,
+    );
+    std::fs::write(&pipeline, text).unwrap();
+    // WAL the slot has not confirmed yet.
+    psql(&format!(
+        "INSERT INTO {name} SELECT g, 'r', 1, 1.00, NULL FROM generate_series(1, 2000) g"
+    ));
+    let mut daemon = Running::spawn(
+        refract()
+            .arg("run")
+            .arg(&pipeline)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    );
+    let scrape = || -> String {
+        use std::io::{Read as _, Write as _};
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+            return String::new();
+        };
+        let _ = s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n");
+        let mut body = String::new();
+        let _ = s.read_to_string(&mut body);
+        body
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut metrics = scrape();
+    while !(metrics.contains("refract_slot_retained_wal_bytes")
+        && metrics.contains("refract_records_read_total"))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no metrics: {metrics}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+        metrics = scrape();
+    }
+    daemon.terminate();
+    let output = daemon.wait_with_output();
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{log}");
+    assert!(
+        log.contains("retains more WAL than `max_retained_wal_mb`")
+            && log.contains(&format!("refract_{name}")),
+        "{log}"
+    );
+    let line = metrics
+        .lines()
+        .find(|l| l.starts_with("refract_slot_retained_wal_bytes"))
+        .unwrap();
+    assert!(line.contains(&format!("slot=\"refract_{name}\"")), "{line}");
+    assert!(line.contains(&format!("pipeline=\"{name}\"")), "{line}");
     drop_slot(name);
 }

@@ -594,7 +594,11 @@ pub mod pg {
                         self.label
                     ),
                     Err(mpsc::RecvTimeoutError::Timeout) => {
-                        panic!("session {}: no answer within {:?}", self.label, hang_guard())
+                        panic!(
+                            "session {}: no answer within {:?}",
+                            self.label,
+                            hang_guard()
+                        )
                     }
                 }
             }

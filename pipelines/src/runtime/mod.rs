@@ -99,6 +99,22 @@ pub struct RunOptions {
     pub progress_bar: bool,
 }
 
+/// Serves Prometheus metrics at `addr` (validated) for the rest of the process. A second
+/// install in one process (tests) or a port in use is logged, not fatal: metrics are advisory.
+fn install_metrics(addr: &str, pipeline: &str) {
+    let Ok(addr) = addr.parse::<std::net::SocketAddr>() else {
+        return;
+    };
+    match metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .add_global_label("pipeline", pipeline)
+        .install()
+    {
+        Ok(()) => tracing::info!(%addr, "serving Prometheus metrics at /metrics"),
+        Err(e) => tracing::warn!(%addr, error = %e, "cannot serve metrics"),
+    }
+}
+
 /// The wall clock in milliseconds since the epoch (handed to projections, stamped on dead letters).
 pub(crate) fn now_ms() -> i64 {
     std::time::SystemTime::now()
@@ -172,6 +188,9 @@ pub async fn run(
         source,
     })?;
     let store = CheckpointStore::open(&state.join("checkpoint.redb"))?;
+    if let Some(addr) = &config.pipeline.metrics_addr {
+        install_metrics(addr, &config.pipeline.name);
+    }
     let resumed = store.load()?;
     if !resumed.is_empty() {
         tracing::info!(checkpoint = ?resumed, "resuming after the checkpoint");
@@ -278,6 +297,8 @@ pub async fn run(
         summary: RunSummary::new(sink_names, dead_letter_location, resumed),
         draw_bar: options.progress_bar,
         bar: None,
+        records_metric: metrics::counter!("refract_records_read_total"),
+        dead_letters_metric: metrics::counter!("refract_dead_letters_total"),
     };
     for (name, sink) in &config.sinks {
         let location = match sink {
@@ -367,6 +388,10 @@ struct Processor {
     summary: RunSummary,
     /// Whether to draw a progress bar.
     draw_bar: bool,
+    /// `refract_records_read_total` (a no-op without `metrics_addr`).
+    records_metric: metrics::Counter,
+    /// `refract_dead_letters_total`.
+    dead_letters_metric: metrics::Counter,
     /// A terminal progress bar, when asked for and the source knows its size.
     bar: Option<Progress>,
 }
@@ -509,6 +534,7 @@ impl Processor {
     fn process(&mut self, item: SourceItem, now: i64) -> Result<(), RunError> {
         let SourceItem { record, raw } = item;
         self.summary.records += 1;
+        self.records_metric.increment(1);
         if self.batch.started.is_none() {
             self.batch.started = Some(Instant::now());
         }
@@ -595,6 +621,7 @@ impl Processor {
             OnError::DeadLetter => {
                 tracing::warn!(position = %letter.position, stage = ?letter.stage, reason = %letter.reason, "dead-lettering bad input");
                 self.summary.dead_letters += 1;
+                self.dead_letters_metric.increment(1);
                 self.batch.letters.push(letter);
                 Ok(())
             }

@@ -77,6 +77,10 @@ pub struct PipelineSection {
     /// Batches queued per sink before the source is paused (backpressure), 1 to 64.
     #[serde(default = "default_queue_depth")]
     pub queue_depth: usize,
+    /// Serve Prometheus metrics over HTTP at this address (`127.0.0.1:9464`), while the
+    /// pipeline runs; none when unset.
+    #[serde(default)]
+    pub metrics_addr: Option<String>,
 }
 
 fn default_state_dir() -> String {

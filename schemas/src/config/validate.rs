@@ -57,6 +57,14 @@ impl PipelineFile {
             1,
             64,
         );
+        if let Some(addr) = &p.metrics_addr {
+            if addr.parse::<std::net::SocketAddr>().is_err() {
+                problem(
+                    "pipeline.metrics_addr",
+                    format!("`{addr}` is not an IP address and port (like `127.0.0.1:9464`)"),
+                );
+            }
+        }
         match (&p.dead_letter.path, &p.dead_letter.url) {
             (Some(_), Some(_)) => problem(
                 "pipeline.dead_letter",

@@ -829,6 +829,8 @@ impl Reader {
         if status == "lost" {
             return Err(slot_lost(&self.slot));
         }
+        metrics::gauge!("refract_slot_retained_wal_bytes", "slot" => self.slot.clone())
+            .set(retained as f64);
         if retained > self.max_retained_wal {
             tracing::warn!(
                 slot = %self.slot,
