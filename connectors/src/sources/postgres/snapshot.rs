@@ -911,8 +911,14 @@ fn write_quick<T: Serialize>(path: &Path, value: &T) -> Result<(), SourceError> 
         })
 }
 
-/// Splits one line of COPY's text format into fields (`\N` is null; backslash escapes undone).
-pub fn parse_copy_line(line: &[u8], out: &mut Vec<Option<String>>) -> Result<(), String> {
+/// Splits one line of COPY's text format into fields (`\N` is null; backslash escapes undone),
+/// borrowing the line where a field has no escapes.
+pub fn parse_copy_line<'a>(
+    line: &'a [u8],
+    out: &mut Vec<Option<std::borrow::Cow<'a, str>>>,
+) -> Result<(), String> {
+    use std::borrow::Cow;
+    let utf8 = |b: &'a [u8]| std::str::from_utf8(b).map_err(|_| "a value is not UTF-8".to_owned());
     out.clear();
     for field in line.split(|b| *b == b'\t') {
         if field == b"\\N" {
@@ -920,9 +926,7 @@ pub fn parse_copy_line(line: &[u8], out: &mut Vec<Option<String>>) -> Result<(),
             continue;
         }
         if !field.contains(&b'\\') {
-            out.push(Some(
-                String::from_utf8(field.to_vec()).map_err(|_| "a value is not UTF-8".to_owned())?,
-            ));
+            out.push(Some(Cow::Borrowed(utf8(field)?)));
             continue;
         }
         let mut bytes = Vec::with_capacity(field.len());
@@ -966,9 +970,9 @@ pub fn parse_copy_line(line: &[u8], out: &mut Vec<Option<String>>) -> Result<(),
                 other => bytes.push(other),
             }
         }
-        out.push(Some(
+        out.push(Some(Cow::Owned(
             String::from_utf8(bytes).map_err(|_| "a value is not UTF-8".to_owned())?,
-        ));
+        )));
     }
     Ok(())
 }
@@ -981,17 +985,16 @@ mod tests {
     fn copy_lines_split_and_unescape() {
         let mut out = Vec::new();
         parse_copy_line(b"1\t\\N\ta\\tb\\nc\\\\d\t\\101\\x42", &mut out).unwrap();
+        let fields: Vec<Option<&str>> = out.iter().map(|f| f.as_deref()).collect();
         assert_eq!(
-            out,
-            vec![
-                Some("1".into()),
-                None,
-                Some("a\tb\nc\\d".into()),
-                Some("AB".into())
-            ]
+            fields,
+            vec![Some("1"), None, Some("a\tb\nc\\d"), Some("AB")]
         );
+        let mut out = Vec::new();
         parse_copy_line(b"", &mut out).unwrap();
-        assert_eq!(out, vec![Some(String::new())]);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].as_deref(), Some(""));
+        let mut out = Vec::new();
         assert!(parse_copy_line(b"\xff", &mut out).is_err());
     }
 

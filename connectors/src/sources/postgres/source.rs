@@ -855,7 +855,6 @@ impl Reader {
         use futures::StreamExt as _;
         let started = Instant::now();
         let mut total = 0u64;
-        let mut fields: Vec<Option<String>> = Vec::new();
         for index in 0..copy.tables.len() {
             let t = copy.tables[index].clone();
             let table = match t.table.split_once('.') {
@@ -886,6 +885,7 @@ impl Reader {
                         partition: self.partition.clone(),
                         offset: Offset(copy.lsn, seq),
                     };
+                    let mut fields = Vec::with_capacity(names.len());
                     if let Err(e) = snapshot::parse_copy_line(line, &mut fields) {
                         self.push_error(
                             position,
@@ -898,7 +898,13 @@ impl Reader {
                         let key = t
                             .key_index
                             .iter()
-                            .map(|i| fields.get(*i).cloned().flatten().unwrap_or_default())
+                            .map(|i| {
+                                fields
+                                    .get(*i)
+                                    .and_then(|f| f.as_deref())
+                                    .unwrap_or_default()
+                                    .to_owned()
+                            })
                             .collect();
                         copy.mark(index, seq, key)?;
                     }
@@ -928,13 +934,13 @@ impl Reader {
 
     /// Hands out one row read from a table (snapshot or backfill) as a read event.
     #[allow(clippy::too_many_arguments)]
-    fn push_read(
+    fn push_read<S: AsRef<str> + serde::Serialize>(
         &mut self,
         table: &TableId,
         key_names: &[String],
         columns: &[String],
         types: &[u32],
-        values: &[Option<String>],
+        values: &[Option<S>],
         position: Position,
         tx: Option<(i64, u32, u64)>,
     ) {
@@ -953,11 +959,13 @@ impl Reader {
                 raw,
             );
         }
-        let mut after = Row::new();
+        // Collected into a vector first: building the map from it at once is cheaper than
+        // inserting column by column.
+        let mut pairs = Vec::with_capacity(columns.len());
         for ((column, oid), value) in columns.iter().zip(types).zip(values) {
             let v = match value {
                 None => Value::Null,
-                Some(text) => match text_to_json(*oid, text) {
+                Some(text) => match text_to_json(*oid, text.as_ref()) {
                     Ok(v) => v,
                     Err(e) => {
                         let raw = Bytes::from(serde_json::to_vec(values).unwrap_or_default());
@@ -969,8 +977,9 @@ impl Reader {
                     }
                 },
             };
-            after.insert(column.clone(), v);
+            pairs.push((column.clone(), v));
         }
+        let after: Row = pairs.into_iter().collect();
         let key: Row = key_names
             .iter()
             .filter_map(|c| after.get(c).map(|v| (c.clone(), v.clone())))
