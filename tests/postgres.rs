@@ -632,6 +632,8 @@ fn backfill_without_a_daemon_resumes_and_re_reads_only_the_named_table() {
     );
     catch_up(&pipeline);
     assert!(read_output(&out).is_empty());
+    let other_name = format!("{name}_other");
+    let (_other_dir, _, other_pipeline) = setup(&other_name);
     // Kill the first backfill halfway; the second resumes it.
     let progress_file = dir.path().join(format!("state/{name}/backfill.json"));
     let mut first = Running::spawn(
@@ -672,6 +674,22 @@ fn backfill_without_a_daemon_resumes_and_re_reads_only_the_named_table() {
         assert!(log.contains("resuming an interrupted"), "{log}");
     }
     assert_read_model(&table_state(name), &out, "after the backfill");
+    // Another pipeline's slot received the chunks too (logical messages reach every slot); they
+    // leave no trace in its run.
+    let summary = dir.path().join("other.json");
+    let other = output(
+        refract()
+            .arg("run")
+            .arg(&other_pipeline)
+            .arg("--until-caught-up")
+            .arg("--summary-json")
+            .arg(&summary),
+    );
+    assert!(other.status.success());
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
+    assert_eq!(summary["records"], 0, "{summary}");
+    assert_eq!(summary["transactions"], 0, "{summary}");
+    drop_slot(&other_name);
     // A table outside the publication is refused by name.
     let wrong = output(
         refract()

@@ -520,8 +520,11 @@ struct RelationInfo {
 struct OpenTx {
     lsn: u64,
     xid: u32,
+    /// Items handed out of it so far; its BEGIN marker goes out with the first.
     seq: u64,
     commit_ms: i64,
+    /// Whether everything was durable before it began (restored if it turns out empty).
+    was_free: bool,
 }
 
 /// The task that reads the replication stream.
@@ -740,14 +743,16 @@ impl Reader {
                 } => {
                     let lsn = final_lsn.as_u64();
                     let commit_ms = (commit_time_micros + pgoutput::PG_EPOCH_OFFSET_MICROS) / 1000;
-                    let tx = OpenTx {
+                    // Its BEGIN marker is handed out with its first item: a transaction with
+                    // nothing for this pipeline (only other pipelines' snapshot chunks, say)
+                    // leaves no trace.
+                    self.tx = Some(OpenTx {
                         lsn,
                         xid,
                         seq: 0,
                         commit_ms,
-                    };
-                    self.marker(TxStatus::Begin, Offset(lsn, 0), &tx);
-                    self.tx = Some(tx);
+                        was_free: in_flight_free,
+                    });
                     in_flight_free = false;
                 }
                 ReplicationEvent::XLogData { data, .. } => {
@@ -762,9 +767,13 @@ impl Reader {
                             "COMMIT without BEGIN in the replication stream".into(),
                         ));
                     };
-                    self.marker(TxStatus::End, Offset(tx.lsn, u64::MAX), &tx);
-                    self.last_commit = Some(tx.lsn);
-                    self.flush(out).await?;
+                    if tx.seq == 0 {
+                        in_flight_free = tx.was_free;
+                    } else {
+                        self.marker(TxStatus::End, Offset(tx.lsn, u64::MAX), &tx);
+                        self.last_commit = Some(tx.lsn);
+                        self.flush(out).await?;
+                    }
                 }
                 ReplicationEvent::Message {
                     prefix,
@@ -1240,6 +1249,16 @@ impl Reader {
     }
 
     fn next_position(&mut self) -> Position {
+        if let Some(tx) = self.tx.as_ref().filter(|t| t.seq == 0) {
+            let begin = OpenTx {
+                lsn: tx.lsn,
+                xid: tx.xid,
+                seq: 0,
+                commit_ms: tx.commit_ms,
+                was_free: tx.was_free,
+            };
+            self.marker(TxStatus::Begin, Offset(begin.lsn, 0), &begin);
+        }
         let offset = match self.tx.as_mut() {
             Some(tx) => {
                 tx.seq += 1;
