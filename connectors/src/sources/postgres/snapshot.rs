@@ -692,7 +692,7 @@ impl CopySnapshot {
 
     /// Whether a row sequence is a note point.
     pub fn is_mark(row: u64) -> bool {
-        row % COPY_MARK_ROWS == 0
+        row.is_multiple_of(COPY_MARK_ROWS)
     }
 }
 
