@@ -145,6 +145,19 @@ fn replicates_inserts_updates_deletes_and_transactions() {
         "12345678901.99",
         "numeric keeps every digit"
     );
+    // The run confirms its final checkpoint to the slot before it exits (else the slot lags
+    // and retains WAL until the next run).
+    let before_last = psql("SELECT pg_current_wal_lsn()");
+    psql(&format!("UPDATE {name} SET qty = 0 WHERE id = 1"));
+    catch_up(&pipeline);
+    assert_eq!(
+        psql(&format!(
+            "SELECT confirmed_flush_lsn > '{before_last}'::pg_lsn FROM pg_replication_slots WHERE slot_name = 'refract_{name}'"
+        )),
+        "t",
+        "the slot was confirmed past the last transaction"
+    );
+    assert_read_model(&table_state(name), &out, "after the last update");
 
     drop_slot(name);
 }

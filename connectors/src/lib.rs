@@ -162,6 +162,10 @@ pub trait Source: Send {
     /// Asks the source to stop: items already read are still returned, then `None`.
     fn stop(&mut self);
 
+    /// Called once after the run's final checkpoint, before the process exits: a source that
+    /// confirms positions upstream (a replication slot, a consumer group) sends the last one.
+    async fn finish(&mut self) {}
+
     /// Progress as (bytes or events done, total), when the source knows its size.
     fn progress(&self) -> Option<(u64, u64)> {
         None

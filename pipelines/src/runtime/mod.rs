@@ -326,6 +326,7 @@ pub async fn run(
         let _ = task.await;
     }
     let final_checkpoint = checkpointer.await.expect("checkpointer task")?;
+    source.finish().await;
     summary.checkpoint = final_checkpoint;
     summary.elapsed = started.elapsed();
     summary.finish();

@@ -51,6 +51,8 @@ const STATUS_INTERVAL: Duration = Duration::from_secs(1);
 const CAUGHT_UP_PREFIX: &str = "refract.caught_up";
 /// How often the slot's retained WAL is checked.
 const SLOT_CHECK_INTERVAL: Duration = Duration::from_secs(30);
+/// How long a run that ends waits for the slot to show its final confirmed position.
+const FINAL_CONFIRM_WAIT: Duration = Duration::from_secs(5);
 /// Longest wait between two reconnection attempts.
 const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(30);
 
@@ -65,6 +67,8 @@ pub struct PostgresSource {
     stop: Arc<watch::Sender<bool>>,
     /// Progress of a snapshot or backfill this run reads.
     chunks: Option<Arc<ChunkProgress>>,
+    /// The task reading the stream (awaited by `finish`).
+    reader: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl PostgresSource {
@@ -82,6 +86,7 @@ impl PostgresSource {
             rx: None,
             stop: Arc::new(watch::channel(false).0),
             chunks: None,
+            reader: None,
         }
     }
 
@@ -334,8 +339,9 @@ impl Source for PostgresSource {
             self.chunks = Some(chunker.progress());
             let errors = tx.clone();
             let url = self.config.url.clone();
+            let mut stop = self.stop.subscribe();
             tokio::spawn(async move {
-                let result = async {
+                let work = async {
                     let report = chunker.run().await?;
                     for (table, rows) in &report.tables {
                         tracing::info!(%table, rows, "rows read into the stream");
@@ -345,8 +351,13 @@ impl Source for PostgresSource {
                         let _ = marker.send(emit_caught_up_marker(&client).await?);
                     }
                     Ok::<_, SourceError>(())
-                }
-                .await;
+                };
+                // A stop abandons the chunk being read (its progress is kept per chunk; a chunk
+                // committed but not yet recorded is read again, harmlessly).
+                let result = tokio::select! {
+                    result = work => result,
+                    _ = stop.wait_for(|s| *s) => Ok(()),
+                };
                 if let Err(e) = result {
                     let _ = errors.send(Err(e)).await;
                 }
@@ -374,7 +385,7 @@ impl Source for PostgresSource {
             state_dir: self.context.state_dir.clone(),
         };
         let stop = self.stop.subscribe();
-        tokio::spawn(reader.run(replication, tx, durable, stop));
+        self.reader = Some(tokio::spawn(reader.run(replication, tx, durable, stop)));
         self.rx = Some(rx);
         Ok(())
     }
@@ -392,6 +403,18 @@ impl Source for PostgresSource {
 
     fn stop(&mut self) {
         self.stop.send_replace(true);
+    }
+
+    async fn finish(&mut self) {
+        // The reader confirms the final checkpoint to the slot, then ends.
+        if let Some(reader) = self.reader.take() {
+            if tokio::time::timeout(FINAL_CONFIRM_WAIT + Duration::from_secs(1), reader)
+                .await
+                .is_err()
+            {
+                tracing::warn!(slot = %self.slot, "the final position was not confirmed to the slot in time; the next run confirms it");
+            }
+        }
     }
 
     fn progress(&self) -> Option<(u64, u64)> {
@@ -611,9 +634,18 @@ impl Reader {
             let ended = self
                 .stream(&mut replication, &out, &mut durable, &mut stop)
                 .await;
-            replication.stop();
+            if !matches!(ended, Ok(Ended::Done)) {
+                replication.stop();
+            }
             let reason = match ended {
-                Ok(Ended::Done) => break Ok(()),
+                Ok(Ended::Done) => {
+                    // Let the runtime finish (it writes the final checkpoint), then confirm
+                    // that checkpoint to the slot before the stream closes.
+                    drop(out);
+                    self.confirm_final(&replication, &mut durable).await;
+                    replication.stop();
+                    return;
+                }
                 Err(e) => break Err(e),
                 Ok(Ended::Lost(reason)) => reason,
             };
@@ -656,6 +688,53 @@ impl Reader {
         };
         if let Err(e) = result {
             let _ = out.send(Err(e)).await;
+        }
+    }
+
+    /// Waits (a bounded time) for the runtime's final checkpoint to cover everything handed
+    /// out, reports it to the server and waits until the slot shows it, so a run that ends does
+    /// not leave the slot behind its checkpoint (retaining WAL until the next run).
+    async fn confirm_final(
+        &self,
+        replication: &ReplicationClient,
+        durable: &mut watch::Receiver<Checkpoint>,
+    ) {
+        let Some(last) = self.last_sent else {
+            return;
+        };
+        let deadline = tokio::time::Instant::now() + FINAL_CONFIRM_WAIT;
+        let reached = loop {
+            let at = durable.borrow_and_update().get(&*self.partition).copied();
+            if let Some(at) = at.filter(|a| *a >= last) {
+                break at;
+            }
+            match tokio::time::timeout_at(deadline, durable.changed()).await {
+                Ok(Ok(())) => continue,
+                // The checkpointer ended: its last value is final.
+                Ok(Err(_)) => match durable.borrow().get(&*self.partition).copied() {
+                    Some(at) if at >= last => break at,
+                    _ => return,
+                },
+                Err(_) => return,
+            }
+        };
+        let Offset(lsn, seq) = reached;
+        let target = if seq == u64::MAX { lsn + 1 } else { lsn };
+        replication.update_applied_lsn(Lsn::from_u64(target));
+        // The worker sends it at its next status tick (at most `STATUS_INTERVAL`).
+        while tokio::time::Instant::now() < deadline {
+            let confirmed = self
+                .catalog
+                .query_opt(
+                    "SELECT (confirmed_flush_lsn >= $2::text::pg_lsn) FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&self.slot, &Lsn::from_u64(target).to_string()],
+                )
+                .await;
+            match confirmed {
+                Ok(Some(row)) if row.get::<_, Option<bool>>(0) == Some(true) => return,
+                Ok(Some(_)) => tokio::time::sleep(Duration::from_millis(50)).await,
+                _ => return,
+            }
         }
     }
 
