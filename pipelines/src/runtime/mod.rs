@@ -326,7 +326,9 @@ pub async fn run(
         let _ = task.await;
     }
     let final_checkpoint = checkpointer.await.expect("checkpointer task")?;
-    source.finish().await;
+    if outcome.is_ok() {
+        source.finish().await;
+    }
     summary.checkpoint = final_checkpoint;
     summary.elapsed = started.elapsed();
     summary.finish();
