@@ -5,40 +5,14 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
+use common::pg::{drop_slot, psql, url as pg_url};
 use common::*;
 
-fn pg_url() -> String {
-    std::env::var("PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/refract".into())
-}
-
-/// Runs SQL through psql, failing the test on error; returns psql's unaligned output.
-fn psql(sql: &str) -> String {
-    let out = Command::new("psql")
-        .args([&pg_url(), "-v", "ON_ERROR_STOP=1", "-Atqc", sql])
-        .output()
-        .expect("psql runs");
-    assert!(
-        out.status.success(),
-        "psql failed on {sql}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
-
-/// Drops slot and publication `refract_{name}` (left by an earlier run or by this test).
-fn drop_slot_and_publication(name: &str) {
-    psql(&format!(
-        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = 'refract_{name}';
-         DROP PUBLICATION IF EXISTS refract_{name};"
-    ));
-}
-
-/// A fresh table `public.{name}` (id primary key, name, note), without slot or publication.
 fn fresh_table(name: &str) {
-    drop_slot_and_publication(name);
+    drop_slot(name);
     psql(&format!(
         "DROP TABLE IF EXISTS public.{name};
          CREATE TABLE public.{name} (id int PRIMARY KEY, name text NOT NULL, note text);"
@@ -149,7 +123,7 @@ fn warnings(plan: &str) -> Vec<&str> {
 #[test]
 fn plan_shows_replica_identity_and_keys_and_warns_for_a_table_without_primary_key() {
     let name = "adm_plan";
-    drop_slot_and_publication(name);
+    drop_slot(name);
     psql(
         "DROP TABLE IF EXISTS public.adm_plan_pk, public.adm_plan_nopk, public.adm_plan_full;
          DROP SCHEMA IF EXISTS adm_plans CASCADE;
@@ -313,7 +287,7 @@ fn plan_reports_the_slot_when_it_exists_and_when_it_is_absent() {
             && out.contains("in the file, not published: "),
         "{out}"
     );
-    drop_slot_and_publication(name);
+    drop_slot(name);
     psql(&format!("DROP TABLE public.{name}"));
 }
 
@@ -452,7 +426,7 @@ fn drop_leaves_a_publication_refract_did_not_create() {
         publication_exists(name),
         "a publication refract did not create stays"
     );
-    drop_slot_and_publication(name);
+    drop_slot(name);
     psql(&format!("DROP TABLE public.{name}"));
 }
 

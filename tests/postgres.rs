@@ -11,43 +11,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use common::pg::{drop_slot, psql, url as pg_url};
 use common::*;
 use serde_json::Value;
-
-fn pg_url() -> String {
-    std::env::var("PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/refract".into())
-}
-
-/// Runs SQL through psql, failing the test on error; returns psql's unaligned output.
-fn psql(sql: &str) -> String {
-    let out = Command::new("psql")
-        .args([&pg_url(), "-v", "ON_ERROR_STOP=1", "-Atqc", sql])
-        .output()
-        .expect("psql runs");
-    assert!(
-        out.status.success(),
-        "psql failed on {sql}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
 
 /// A fresh table `name` (id, name, qty, price numeric, note text), with its slot and publication
 /// removed from earlier runs.
 fn fresh_table(name: &str) {
+    drop_slot(name);
     psql(&format!(
-        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = 'refract_{name}';
-         DROP PUBLICATION IF EXISTS refract_{name};
-         DROP TABLE IF EXISTS public.{name};
+        "DROP TABLE IF EXISTS public.{name};
          CREATE TABLE public.{name} (id int PRIMARY KEY, name text NOT NULL, qty int, price numeric(20,2), note text);"
-    ));
-}
-
-/// Drops the test's slot and publication, so no WAL is retained for it after the test.
-fn drop_slot(name: &str) {
-    psql(&format!(
-        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = 'refract_{name}';
-         DROP PUBLICATION IF EXISTS refract_{name};"
     ));
 }
 
@@ -366,7 +340,7 @@ fn unchanged_toast_values_are_kept_with_either_replica_identity() {
 
 /// Rows in CI (`CI=true`) and in a full local run.
 fn size(ci: u64, full: u64) -> u64 {
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
+    if in_ci() {
         ci
     } else {
         std::env::var("REFRACT_TEST_ROWS")

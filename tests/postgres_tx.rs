@@ -14,10 +14,6 @@ use common::pg::{Cleanup, Session, catch_up, changes, psql, run_with_peak_rss, t
 use common::*;
 use serde_json::{Value, json};
 
-fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
-}
-
 /// A pipeline named `name` (so slot and publication are `refract_{name}`) reading `tables` from
 /// PostgreSQL (with `source_extra` lines in `[source]`), with the given projections and sinks.
 fn pipeline_file(

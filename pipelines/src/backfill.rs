@@ -84,16 +84,7 @@ pub async fn run(
     };
     let chunker = snapshot::standalone_backfill(pg, &context).await?;
     let progress = chunker.progress();
-    let bar = indicatif::ProgressBar::with_draw_target(
-        Some(progress.total.load(std::sync::atomic::Ordering::Relaxed)),
-        indicatif::ProgressDrawTarget::stderr(),
-    );
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:40} {human_pos}/{human_len} rows  {per_sec}  ETA {eta}  {msg}",
-        )
-        .expect("a valid progress template"),
-    );
+    let bar = runtime::rows_bar(progress.total.load(std::sync::atomic::Ordering::Relaxed));
     let mut task = tokio::spawn(chunker.run());
     let mut ticker = tokio::time::interval(Duration::from_millis(200));
     let report = loop {
@@ -110,20 +101,11 @@ pub async fn run(
     if let Some(lsn) = &report.last_lsn {
         let slot = pg.slot_name(&config.pipeline.name);
         tracing::info!(%slot, %lsn, "rows read; waiting until the daemon has applied them");
-        let mut shutdown = shutdown;
-        loop {
-            if snapshot::slot_confirmed_past(&pg.url, &slot, lsn).await? {
-                break;
-            }
-            tokio::select! {
-                () = tokio::time::sleep(Duration::from_millis(500)) => {}
-                _ = shutdown.wait_for(|s| *s) => {
-                    return Err(RunError::Source(SourceError::Inconsistent(format!(
-                        "interrupted while waiting for the daemon to apply the backfill (slot `{slot}` has not confirmed {lsn} yet); \
-                         every chunk is in the WAL and the daemon will still apply it"
-                    ))));
-                }
-            }
+        if !snapshot::wait_until_confirmed(&pg.url, &slot, lsn, shutdown).await? {
+            return Err(RunError::Source(SourceError::Inconsistent(format!(
+                "interrupted while waiting for the daemon to apply the backfill (slot `{slot}` has not confirmed {lsn} yet); \
+                 every chunk is in the WAL and the daemon will still apply it"
+            ))));
         }
     }
     Ok(Outcome::ThroughDaemon {

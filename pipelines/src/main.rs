@@ -109,40 +109,21 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
         }
-        Command::Plan { pipeline } => match config::load(&pipeline) {
-            Ok(loaded) => {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("a tokio runtime");
-                let check = rt.block_on(refract::plan::check_source(&loaded));
-                print!("{}", refract::plan::render(&loaded, &check));
-                ExitCode::SUCCESS
-            }
-            Err(errors) => {
-                eprintln!("{errors}");
-                ExitCode::from(2)
-            }
-        },
+        Command::Plan { pipeline } => with_pipeline(&pipeline, |loaded, rt| {
+            let check = rt.block_on(refract::plan::check_source(&loaded));
+            print!("{}", refract::plan::render(&loaded, &check));
+            ExitCode::SUCCESS
+        }),
         Command::Backfill {
             pipeline,
             tables,
             restart,
-        } => {
-            let loaded = match config::load(&pipeline) {
-                Ok(l) => l,
-                Err(errors) => {
-                    eprintln!("{errors}");
-                    return ExitCode::from(2);
-                }
-            };
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .expect("a tokio runtime");
+        } => with_pipeline(&pipeline, |loaded, rt| {
             rt.block_on(backfill(loaded, BackfillScope { tables, restart }))
-        }
-        Command::Drop { pipeline, yes } => drop_pipeline(&pipeline, yes),
+        }),
+        Command::Drop { pipeline, yes } => with_pipeline(&pipeline, |loaded, rt| {
+            ExitCode::from(rt.block_on(refract::drop::run(&loaded, yes)))
+        }),
         Command::ConfigSchema => {
             print!("{}", config::json_schema());
             ExitCode::SUCCESS
@@ -151,25 +132,14 @@ fn main() -> ExitCode {
             pipeline,
             until_caught_up,
             summary_json,
-        } => {
-            let loaded = match config::load(&pipeline) {
-                Ok(l) => l,
-                Err(errors) => {
-                    eprintln!("{errors}");
-                    return ExitCode::from(2);
-                }
-            };
+        } => with_pipeline(&pipeline, |loaded, rt| {
             let mode = if until_caught_up {
                 ReadMode::UntilCaughtUp
             } else {
                 ReadMode::Follow
             };
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .expect("a tokio runtime");
             rt.block_on(run(loaded, mode, summary_json))
-        }
+        }),
     }
 }
 
@@ -257,21 +227,25 @@ async fn run(loaded: LoadedPipeline, mode: ReadMode, summary_json: Option<PathBu
     }
 }
 
-/// `refract drop`: exit 0 dropped (or nothing to drop), 1 refused or failed, 2 configuration
-/// error or `--yes` missing.
-fn drop_pipeline(pipeline: &std::path::Path, yes: bool) -> ExitCode {
-    let loaded = match config::load(pipeline) {
+/// Loads a pipeline file (a configuration error exits 2) and runs `command` with it on a tokio
+/// runtime. `refract drop` exits 0 dropped (or nothing to drop), 1 refused or failed, 2 `--yes`
+/// missing.
+fn with_pipeline(
+    path: &std::path::Path,
+    command: impl FnOnce(LoadedPipeline, &tokio::runtime::Runtime) -> ExitCode,
+) -> ExitCode {
+    let loaded = match config::load(path) {
         Ok(l) => l,
         Err(errors) => {
             eprintln!("{errors}");
             return ExitCode::from(2);
         }
     };
-    let rt = tokio::runtime::Builder::new_current_thread()
+    let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("a tokio runtime");
-    ExitCode::from(rt.block_on(refract::drop::run(&loaded, yes)))
+    command(loaded, &rt)
 }
 
 fn init_logging(format: LogFormat) {

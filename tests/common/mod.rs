@@ -9,6 +9,11 @@ use std::process::{Command, Output};
 
 use serde_json::{Value, json};
 
+/// Whether the suite runs in CI (`CI=true`), where the big data sizes shrink.
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
 /// The `refract` binary under test, with a quiet log level unless RUST_LOG says otherwise.
 pub fn refract() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_refract"));
@@ -358,6 +363,15 @@ pub mod pg {
             String::from_utf8_lossy(&out.stderr)
         );
         String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    /// Drops slot `refract_{name}` and publication `refract_{name}` now (an earlier run's, or
+    /// this test's at its end: a leftover slot retains WAL).
+    pub fn drop_slot(name: &str) {
+        psql(&format!(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = 'refract_{name}';
+             DROP PUBLICATION IF EXISTS refract_{name};"
+        ));
     }
 
     /// Drops slot `refract_{name}` and publication `refract_{name}` (and the listed tables) when

@@ -399,6 +399,21 @@ struct Processor {
     bar: Option<Progress>,
 }
 
+/// A progress bar of rows on stderr (drawn only on a terminal): rows, rows/s, ETA.
+pub fn rows_bar(total: u64) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(total),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {human_pos}/{human_len} rows  {per_sec}  ETA {eta}  {msg}",
+        )
+        .expect("a valid progress template"),
+    );
+    bar
+}
+
 /// Progress of a source that knows its size: a bar on a terminal, rate and ETA in the log.
 struct Progress {
     bar: Option<indicatif::ProgressBar>,
@@ -409,16 +424,7 @@ struct Progress {
 impl Progress {
     fn new(draw: bool, done: u64, total: u64) -> Self {
         let bar = draw.then(|| {
-            let bar = indicatif::ProgressBar::with_draw_target(
-                Some(total),
-                indicatif::ProgressDrawTarget::stderr(),
-            );
-            bar.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "{bar:40} {human_pos}/{human_len} rows  {per_sec}  ETA {eta}  {msg}",
-                )
-                .expect("a valid progress template"),
-            );
+            let bar = rows_bar(total);
             bar.set_position(done);
             bar
         });

@@ -1,0 +1,605 @@
+//! Turning what the stream and the snapshot carry into items for the runtime: pgoutput
+//! messages, snapshot rows read with COPY, snapshot/backfill chunk messages.
+
+use super::*;
+
+impl Reader {
+    /// Reads the exported snapshot's tables with COPY, handing every row out as a read event
+    /// before the stream. Returns false when stopped on request (the next start resumes).
+    pub(super) async fn read_copy(
+        &mut self,
+        mut copy: CopySnapshot,
+        out: &Chunks,
+        stop: &watch::Receiver<bool>,
+    ) -> Result<bool, SourceError> {
+        use futures::StreamExt as _;
+        let started = Instant::now();
+        let mut total = 0u64;
+        for index in 0..copy.tables.len() {
+            let t = copy.tables[index].clone();
+            let table = match t.table.split_once('.') {
+                Some((schema, name)) => TableId::new(schema, name),
+                None => TableId::new("public", &t.table),
+            };
+            let names: Vec<String> = t.columns.iter().map(|(c, _)| c.clone()).collect();
+            let types: Vec<u32> = t.columns.iter().map(|(_, o)| *o).collect();
+            let stream = copy.copy_out(index).await?;
+            futures::pin_mut!(stream);
+            let mut pending: Vec<u8> = Vec::new();
+            let mut row = 0u64;
+            loop {
+                let data = match stream.next().await {
+                    Some(data) => {
+                        data.map_err(io(format!("reading `{}` (COPY) failed", t.table)))?
+                    }
+                    None => break,
+                };
+                pending.extend_from_slice(&data);
+                let mut start = 0;
+                while let Some(n) = memchr::memchr(b'\n', &pending[start..]) {
+                    let line = &pending[start..start + n];
+                    start += n + 1;
+                    row += 1;
+                    let seq = CopySnapshot::seq(index, row);
+                    let position = Position {
+                        partition: self.partition.clone(),
+                        offset: Offset(copy.lsn, seq),
+                    };
+                    let mut fields = Vec::with_capacity(names.len());
+                    if let Err(e) = snapshot::parse_copy_line(line, &mut fields) {
+                        self.push_error(
+                            position,
+                            format!("`{table}` snapshot row: {e}"),
+                            Bytes::copy_from_slice(line),
+                        );
+                        continue;
+                    }
+                    if CopySnapshot::is_mark(row) {
+                        let key = t
+                            .key_index
+                            .iter()
+                            .map(|i| {
+                                fields
+                                    .get(*i)
+                                    .and_then(|f| f.as_deref())
+                                    .unwrap_or_default()
+                                    .to_owned()
+                            })
+                            .collect();
+                        copy.mark(index, seq, key)?;
+                    }
+                    self.push_read(&table, &t.key, &names, &types, &fields, position, None);
+                }
+                pending.drain(..start);
+                if self.chunk.len() >= CHUNK_EVENTS {
+                    self.flush(out).await?;
+                }
+                if *stop.borrow() {
+                    self.flush(out).await?;
+                    return Ok(false);
+                }
+            }
+            self.flush(out).await?;
+            copy.end(index, CopySnapshot::seq(index, row))?;
+            total += row;
+            tracing::info!(table = %t.table, rows = row, "table read from the slot's snapshot");
+        }
+        tracing::info!(
+            rows = total,
+            secs = started.elapsed().as_secs_f64(),
+            "initial snapshot read; streaming from the slot"
+        );
+        Ok(true)
+    }
+
+    /// Hands out one row read from a table (snapshot or backfill) as a read event.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn push_read<S: AsRef<str> + serde::Serialize>(
+        &mut self,
+        table: &TableId,
+        key_names: &[String],
+        columns: &[String],
+        types: &[u32],
+        values: &[Option<S>],
+        position: Position,
+        tx: Option<(i64, u32, u64)>,
+    ) {
+        if !self.keep(position.offset) {
+            return;
+        }
+        if values.len() != columns.len() {
+            let raw = Bytes::from(serde_json::to_vec(values).unwrap_or_default());
+            return self.push_error(
+                position,
+                format!(
+                    "`{table}` snapshot row has {} values for {} columns",
+                    values.len(),
+                    columns.len()
+                ),
+                raw,
+            );
+        }
+        // Collected into a vector first: building the map from it at once is cheaper than
+        // inserting column by column.
+        let mut pairs = Vec::with_capacity(columns.len());
+        for ((column, oid), value) in columns.iter().zip(types).zip(values) {
+            let v = match value {
+                None => Value::Null,
+                Some(text) => match text_to_json(*oid, text.as_ref()) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        let raw = Bytes::from(serde_json::to_vec(values).unwrap_or_default());
+                        return self.push_error(
+                            position,
+                            format!("`{table}` column `{column}`: {e}"),
+                            raw,
+                        );
+                    }
+                },
+            };
+            pairs.push((column.clone(), v));
+        }
+        let after: Row = pairs.into_iter().collect();
+        let key: Row = key_names
+            .iter()
+            .filter_map(|c| after.get(c).map(|v| (c.clone(), v.clone())))
+            .collect();
+        let seq = position.offset.1;
+        self.chunk.push(SourceItem {
+            record: Ok(Record::Change(ChangeEvent {
+                table: table.clone(),
+                op: Op::Read,
+                key: (!key.is_empty()).then(|| Arc::new(key)),
+                before: None,
+                after: Some(Arc::new(after)),
+                source: SourceInfo {
+                    connector: Some("postgresql".into()),
+                    db: self.db.clone(),
+                    ts_ms: tx.map(|t| t.0),
+                    tx_id: tx.map(|t| i64::from(t.1)),
+                    lsn: tx.map(|t| t.2),
+                    kafka: None,
+                },
+                transaction: tx.map(|t| TxInfo {
+                    id: t.1.to_string(),
+                    total_order: Some(seq),
+                    data_collection_order: None,
+                }),
+                position,
+            })),
+            raw: Bytes::new(),
+        });
+    }
+
+    /// A snapshot/backfill chunk: its rows become read events at their positions.
+    pub(super) fn rows(&mut self, content: &Bytes) {
+        let message: ChunkMessage = match serde_json::from_slice(content) {
+            Ok(m) => m,
+            Err(e) => {
+                let position = self.next_position();
+                return self.push_error(
+                    position,
+                    format!("unreadable snapshot chunk: {e}"),
+                    content.clone(),
+                );
+            }
+        };
+        let table = match message.table.split_once('.') {
+            Some((schema, name)) => TableId::new(schema, name),
+            None => TableId::new("public", &message.table),
+        };
+        let Some((commit_ms, xid, lsn)) = self.tx.as_ref().map(|t| (t.commit_ms, t.xid, t.lsn))
+        else {
+            return;
+        };
+        let tx = Some((commit_ms, xid, lsn));
+        for values in &message.rows {
+            let position = self.next_position();
+            self.push_read(
+                &table,
+                &message.key,
+                &message.columns,
+                &message.types,
+                values,
+                position,
+                tx,
+            );
+        }
+    }
+
+    pub(super) fn keep(&self, position: Offset) -> bool {
+        self.skip_through.is_none_or(|s| position > s)
+    }
+
+    pub(super) fn marker(&mut self, status: TxStatus, offset: Offset, tx: &OpenTx) {
+        if !self.keep(offset) {
+            return;
+        }
+        let boundary = TxBoundary {
+            status,
+            id: tx.xid.to_string(),
+            event_count: (status == TxStatus::End).then_some(tx.seq),
+            ts_ms: Some(tx.commit_ms),
+            position: Position {
+                partition: self.partition.clone(),
+                offset,
+            },
+        };
+        self.chunk.push(SourceItem {
+            record: Ok(Record::Transaction(boundary)),
+            raw: Bytes::new(),
+        });
+    }
+
+    /// The primary-key columns of a relation and their SQL types, from the catalog (under
+    /// REPLICA IDENTITY FULL pgoutput marks every column as identity, so the flags do not tell
+    /// the key).
+    pub(super) async fn primary_key(
+        &self,
+        relation: u32,
+    ) -> Result<Vec<(String, String)>, SourceError> {
+        let rows = self
+            .catalog
+            .query(
+                "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod) FROM pg_index i \
+                 JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) \
+                 WHERE i.indrelid = $1 AND i.indisprimary ORDER BY array_position(i.indkey, a.attnum)",
+                &[&relation],
+            )
+            .await
+            .map_err(io(format!("cannot read the primary key of relation {relation}")))?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
+    /// Fills the unchanged TOASTed values of `new` (which PostgreSQL did not send, and no full
+    /// old row holds) by re-reading them from the table by key. The value read is the row's
+    /// current one, which the rest of the stream leads to anyway; a row gone since is deleted
+    /// or re-keyed by a later change in the stream, so its columns are left null until then.
+    pub(super) async fn refetch_toasted(
+        &self,
+        relation: u32,
+        new: &mut Tuple,
+    ) -> Result<(), SourceError> {
+        let Some(info) = self.relations.get(&relation) else {
+            return Ok(());
+        };
+        let missing: Vec<usize> = new
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| matches!(d, Datum::UnchangedToast))
+            .map(|(i, _)| i)
+            .collect();
+        let mut key_values: Vec<String> = Vec::new();
+        for column in &info.key_columns {
+            let index = info.shape.columns.iter().position(|c| &c.name == column);
+            match index.and_then(|i| new.get(i)) {
+                Some(Datum::Text(bytes)) => {
+                    key_values.push(String::from_utf8_lossy(bytes).into_owned())
+                }
+                // No usable key: leave the values unsent (the change is then dead-lettered).
+                _ => return Ok(()),
+            }
+        }
+        if key_values.is_empty() || info.key_types.len() != key_values.len() {
+            return Ok(());
+        }
+        let columns: Vec<String> = missing
+            .iter()
+            .map(|i| format!("{}::text", quote_ident(&info.shape.columns[*i].name)))
+            .collect();
+        let keys: Vec<String> = info.key_columns.iter().map(|c| quote_ident(c)).collect();
+        let params: Vec<String> = info
+            .key_types
+            .iter()
+            .enumerate()
+            .map(|(i, t)| format!("${}::text::{t}", i + 1))
+            .collect();
+        let sql = format!(
+            "SELECT {} FROM {}.{} WHERE ({}) = ({})",
+            columns.join(", "),
+            quote_ident(&info.shape.namespace),
+            quote_ident(&info.shape.name),
+            keys.join(", "),
+            params.join(", ")
+        );
+        let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = key_values
+            .iter()
+            .map(|v| v as &(dyn tokio_postgres::types::ToSql + Sync))
+            .collect();
+        let row = self
+            .catalog
+            .query_opt(&sql, &params)
+            .await
+            .map_err(io(format!(
+                "cannot re-read unchanged TOASTed values of `{}`",
+                info.table
+            )))?;
+        for (n, i) in missing.iter().enumerate() {
+            new[*i] = match row.as_ref().map(|r| r.get::<_, Option<String>>(n)) {
+                Some(Some(text)) => Datum::Text(Bytes::from(text)),
+                _ => Datum::Null,
+            };
+        }
+        if row.is_none() {
+            tracing::debug!(table = %info.table, "row gone before its unchanged TOASTed values could be re-read");
+        }
+        Ok(())
+    }
+
+    /// Handles one pgoutput data message.
+    pub(super) async fn data(&mut self, data: Bytes) -> Result<(), SourceError> {
+        let message = match pgoutput::decode(&data, false) {
+            Ok(m) => m,
+            Err(e) => {
+                let position = self.next_position();
+                self.push_error(position, e.to_string(), data);
+                return Ok(());
+            }
+        };
+        match message {
+            Message::Relation(shape) => {
+                let table = TableId::new(&shape.namespace, &shape.name);
+                let mut key = self.primary_key(shape.id).await?;
+                if key.is_empty() && shape.replica_identity != b'f' {
+                    for c in shape.columns.iter().filter(|c| c.key) {
+                        let row = self
+                            .catalog
+                            .query_one(
+                                "SELECT format_type($1, $2)",
+                                &[&c.type_oid, &c.type_modifier],
+                            )
+                            .await
+                            .map_err(io("cannot read a column type"))?;
+                        key.push((c.name.clone(), row.get(0)));
+                    }
+                }
+                let (key_columns, key_types) = key.into_iter().unzip();
+                self.relations.insert(
+                    shape.id,
+                    RelationInfo {
+                        table,
+                        shape,
+                        key_columns,
+                        key_types,
+                    },
+                );
+            }
+            Message::Insert { relation, new } => {
+                self.change(relation, Op::Create, None, Some(new), &data)
+            }
+            Message::Update {
+                relation,
+                old,
+                mut new,
+            } => {
+                let full_old = old.as_ref().is_some_and(|(k, _)| *k == OldKind::Full);
+                if !full_old && new.iter().any(|d| matches!(d, Datum::UnchangedToast)) {
+                    self.refetch_toasted(relation, &mut new).await?;
+                }
+                self.change(relation, Op::Update, old, Some(new), &data)
+            }
+            Message::Delete { relation, old } => {
+                self.change(relation, Op::Delete, Some(old), None, &data)
+            }
+            Message::Truncate { relations, .. } => {
+                for relation in relations {
+                    self.change(relation, Op::Truncate, None, None, &data);
+                }
+            }
+            // Types are sent as text; origins and nested begin/commit are handled elsewhere.
+            _ => {}
+        }
+        Ok(())
+    }
+
+    pub(super) fn next_position(&mut self) -> Position {
+        if let Some(tx) = self.tx.as_ref().filter(|t| t.seq == 0) {
+            let begin = OpenTx {
+                lsn: tx.lsn,
+                xid: tx.xid,
+                seq: 0,
+                commit_ms: tx.commit_ms,
+                was_free: tx.was_free,
+            };
+            self.marker(TxStatus::Begin, Offset(begin.lsn, 0), &begin);
+        }
+        let offset = match self.tx.as_mut() {
+            Some(tx) => {
+                tx.seq += 1;
+                Offset(tx.lsn, tx.seq)
+            }
+            None => Offset(self.last_commit.unwrap_or(0), 0),
+        };
+        Position {
+            partition: self.partition.clone(),
+            offset,
+        }
+    }
+
+    pub(super) fn push_error(&mut self, position: Position, reason: String, raw: Bytes) {
+        if self.keep(position.offset) {
+            self.chunk.push(SourceItem {
+                record: Err(DecodeError { position, reason }),
+                raw,
+            });
+        }
+    }
+
+    pub(super) fn change(
+        &mut self,
+        relation: u32,
+        op: Op,
+        old: Option<(OldKind, Tuple)>,
+        new: Option<Tuple>,
+        raw: &Bytes,
+    ) {
+        // Positions are numbered the same way on every read of the transaction, whatever is
+        // skipped, so a resume inside it skips exactly what was durable.
+        let position = self.next_position();
+        let Some(info) = self.relations.get(&relation) else {
+            self.push_error(
+                position,
+                format!("change for relation {relation} before its Relation message"),
+                raw.clone(),
+            );
+            return;
+        };
+        let before = match &old {
+            Some((_, t)) => match row(&info.shape, t, None) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    return self.push_error(
+                        position,
+                        format!("`{}` old row: {e}", info.table),
+                        raw.clone(),
+                    );
+                }
+            },
+            None => None,
+        };
+        let after = match &new {
+            // An unchanged TOASTed column takes its value from a full old row when there is one.
+            Some(t) => match row(
+                &info.shape,
+                t,
+                old.as_ref()
+                    .filter(|(k, _)| *k == OldKind::Full)
+                    .map(|(_, t)| t),
+            ) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    return self.push_error(
+                        position,
+                        format!("`{}` new row: {e}", info.table),
+                        raw.clone(),
+                    );
+                }
+            },
+            None => None,
+        };
+        // Key columns in key order; a table without any key gets none (the projection then
+        // uses its configured key columns, or dead-letters the change).
+        let key_of = |r: &Row| -> Row {
+            info.key_columns
+                .iter()
+                .filter_map(|c| r.get(c).map(|v| (c.clone(), v.clone())))
+                .collect()
+        };
+        let key: Option<Row> = after.as_ref().or(before.as_ref()).map(key_of);
+        // An update that changes the key is a delete of the old key and a create of the new
+        // one, as Debezium emits it (the old row carries the old key whenever it changed).
+        if op == Op::Update {
+            if let (Some(old_row), Some(new_key)) = (&before, &key) {
+                let old_key = key_of(old_row);
+                if old_key.len() == info.key_columns.len()
+                    && !old_key.is_empty()
+                    && old_key != *new_key
+                {
+                    let before = before.clone();
+                    let table = info.table.clone();
+                    let second = self.next_position();
+                    if self.keep(position.offset) {
+                        self.push_change(
+                            table.clone(),
+                            Op::Delete,
+                            Some(old_key),
+                            before,
+                            None,
+                            position,
+                        );
+                    }
+                    if self.keep(second.offset) {
+                        self.push_change(table, Op::Create, key, None, after, second);
+                    }
+                    return;
+                }
+            }
+        }
+        if self.keep(position.offset) {
+            let table = info.table.clone();
+            self.push_change(table, op, key, before, after, position);
+        }
+    }
+
+    pub(super) fn push_change(
+        &mut self,
+        table: TableId,
+        op: Op,
+        key: Option<Row>,
+        before: Option<Row>,
+        after: Option<Row>,
+        position: Position,
+    ) {
+        let tx = self.tx.as_ref();
+        let event = ChangeEvent {
+            table,
+            op,
+            key: key.filter(|k| !k.is_empty()).map(Arc::new),
+            before: before.map(Arc::new),
+            after: after.map(Arc::new),
+            source: SourceInfo {
+                connector: Some("postgresql".into()),
+                db: self.db.clone(),
+                ts_ms: tx.map(|t| t.commit_ms),
+                tx_id: tx.map(|t| i64::from(t.xid)),
+                lsn: tx.map(|t| t.lsn),
+                kafka: None,
+            },
+            transaction: tx.map(|t| TxInfo {
+                id: t.xid.to_string(),
+                total_order: Some(t.seq),
+                data_collection_order: None,
+            }),
+            position,
+        };
+        self.chunk.push(SourceItem {
+            record: Ok(Record::Change(event)),
+            raw: Bytes::new(),
+        });
+    }
+}
+
+/// Builds a row from a tuple; unchanged TOAST values come from `full_old` when given, and are
+/// an error otherwise (the value was not sent).
+fn row(shape: &Relation, tuple: &Tuple, full_old: Option<&Tuple>) -> Result<Row, String> {
+    if tuple.len() != shape.columns.len() {
+        return Err(format!(
+            "{} values for {} columns",
+            tuple.len(),
+            shape.columns.len()
+        ));
+    }
+    let mut out = Row::new();
+    for (i, (column, datum)) in shape.columns.iter().zip(tuple).enumerate() {
+        let value = match datum {
+            Datum::Null => Value::Null,
+            Datum::Text(bytes) => {
+                let text = std::str::from_utf8(bytes)
+                    .map_err(|_| format!("column `{}` is not UTF-8", column.name))?;
+                text_to_json(column.type_oid, text)
+                    .map_err(|e| format!("column `{}`: {e}", column.name))?
+            }
+            Datum::Binary(_) => {
+                return Err(format!("column `{}` arrived in binary format", column.name));
+            }
+            Datum::UnchangedToast => match full_old.and_then(|t| t.get(i)) {
+                Some(Datum::Text(bytes)) => {
+                    let text = std::str::from_utf8(bytes)
+                        .map_err(|_| format!("column `{}` is not UTF-8", column.name))?;
+                    text_to_json(column.type_oid, text)
+                        .map_err(|e| format!("column `{}`: {e}", column.name))?
+                }
+                // Leaving the column out would erase it from the read model: refuse loudly.
+                _ => {
+                    return Err(format!(
+                        "column `{}` is an unchanged TOASTed value that PostgreSQL did not send; \
+                         set REPLICA IDENTITY FULL on the table (merging with the last known value is not built yet)",
+                        column.name
+                    ));
+                }
+            },
+        };
+        out.insert(column.name.clone(), value);
+    }
+    Ok(out)
+}

@@ -1,0 +1,599 @@
+//! `kind = "postgres"`: committed changes from a logical replication slot (pgoutput, protocol 1).
+//!
+//! One partition per slot, `pg:{slot}`. Positions are (commit LSN, sequence in the transaction):
+//! the BEGIN marker is `(lsn, 0)`, the n-th change `(lsn, n)`, the COMMIT marker `(lsn, MAX)`.
+//! A checkpoint at `(lsn, MAX)` resumes after that transaction; one inside a transaction (a huge
+//! transaction cut into several batches) restarts it at `lsn` and skips the changes already
+//! durable. The slot is confirmed only up to the durable checkpoint, so its
+//! `confirmed_flush_lsn` never passes a change a sink has not made durable; while nothing is in
+//! flight, it follows the server's WAL position so unrelated traffic does not pile WAL up.
+//!
+//! `--until-caught-up` writes a non-transactional logical message at start and stops when the
+//! stream reaches it: every transaction committed before the start has then been read.
+//!
+//! Rows that exist before the slot (initial snapshot) or that a `refract backfill` re-reads
+//! arrive as chunk messages in the stream (see [`super::snapshot`]) and become `r` (read) events
+//! at their commit position. A lost replication connection is re-established with backoff and
+//! the stream resumes right after the last change handed out.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use pgwire_replication::{
+    Lsn, ReplicationClient, ReplicationConfig, TlsConfig, client::ReplicationEvent,
+};
+use refract_schemas::config::{PostgresSourceConfig, SnapshotMode};
+use refract_schemas::debezium::DecodeError;
+use refract_schemas::event::{SourceInfo, TxBoundary, TxInfo, TxStatus};
+use refract_schemas::{ChangeEvent, Checkpoint, Offset, Op, Position, Record, Row, TableId};
+use serde_json::Value;
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::pgoutput::{self, Datum, Message, OldKind, Relation, Tuple};
+use super::snapshot::{self, ChunkMessage, ChunkProgress, Chunker, CopySnapshot};
+use super::values::text_to_json;
+use crate::{ReadMode, Source, SourceContext, SourceError, SourceItem};
+
+mod events;
+mod reader;
+
+/// Changes per chunk handed to the runtime: a huge transaction flows in pieces (memory stays
+/// bounded); small transactions go as soon as they commit.
+const CHUNK_EVENTS: usize = 2_048;
+/// Chunks buffered ahead of the runtime.
+const CHANNEL_CHUNKS: usize = 4;
+/// How often standby status updates go to the server: often enough that the slot follows the
+/// durable position closely, and that a run that ends confirms its last position quickly (a
+/// few small messages a second cost the server nothing).
+const STATUS_INTERVAL: Duration = Duration::from_millis(250);
+/// Prefix of the logical message that marks "caught up" for `--until-caught-up`.
+const CAUGHT_UP_PREFIX: &str = "refract.caught_up";
+/// How often the slot's retained WAL is checked.
+const SLOT_CHECK_INTERVAL: Duration = Duration::from_secs(30);
+/// How long a run that ends waits for the slot to show its final confirmed position.
+const FINAL_CONFIRM_WAIT: Duration = Duration::from_secs(5);
+/// Longest wait between two reconnection attempts.
+const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(30);
+
+/// The PostgreSQL source.
+pub struct PostgresSource {
+    config: PostgresSourceConfig,
+    context: SourceContext,
+    slot: String,
+    publication: String,
+    partition: Arc<str>,
+    rx: Option<mpsc::Receiver<Result<Vec<SourceItem>, SourceError>>>,
+    stop: Arc<watch::Sender<bool>>,
+    /// Progress of a snapshot or backfill this run reads.
+    chunks: Option<Arc<ChunkProgress>>,
+    /// The task reading the stream (awaited by `finish`).
+    reader: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl PostgresSource {
+    /// A source for the pipeline of `context` (whose name gives the default slot and publication).
+    pub fn new(config: PostgresSourceConfig, context: SourceContext) -> Self {
+        let slot = config.slot_name(&context.pipeline);
+        let publication = config.publication_name(&context.pipeline);
+        let partition = format!("pg:{slot}").into();
+        Self {
+            config,
+            context,
+            slot,
+            publication,
+            partition,
+            rx: None,
+            stop: Arc::new(watch::channel(false).0),
+            chunks: None,
+            reader: None,
+        }
+    }
+
+    /// Where the initial snapshot keeps its progress.
+    pub fn snapshot_progress_path(state_dir: &std::path::Path) -> PathBuf {
+        state_dir.join("snapshot.json")
+    }
+
+    /// Where `refract backfill` keeps its progress.
+    pub fn backfill_progress_path(state_dir: &std::path::Path) -> PathBuf {
+        state_dir.join("backfill.json")
+    }
+}
+
+pub(crate) fn io(message: impl Into<String>) -> impl FnOnce(tokio_postgres::Error) -> SourceError {
+    let message = message.into();
+    move |e| SourceError::Io {
+        message: format!("{message}: {e}"),
+        source: None,
+    }
+}
+
+pub(crate) fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// An ordinary (non-replication) connection, its connection task spawned.
+pub(crate) async fn connect(url: &str) -> Result<tokio_postgres::Client, SourceError> {
+    let pg: tokio_postgres::Config = url.parse().map_err(|e| SourceError::Io {
+        message: format!("invalid PostgreSQL URL: {e}"),
+        source: None,
+    })?;
+    let (client, connection) = pg
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(io("cannot connect to PostgreSQL"))?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "control connection ended");
+        }
+    });
+    Ok(client)
+}
+
+#[async_trait]
+impl Source for PostgresSource {
+    async fn start(
+        &mut self,
+        checkpoint: &Checkpoint,
+        mode: ReadMode,
+        durable: watch::Receiver<Checkpoint>,
+    ) -> Result<(), SourceError> {
+        let pg: tokio_postgres::Config = self.config.url.parse().map_err(|e| SourceError::Io {
+            message: format!("invalid PostgreSQL URL: {e}"),
+            source: None,
+        })?;
+        let client = connect(&self.config.url).await?;
+        let resume = checkpoint.get(&*self.partition).copied();
+        let snapshot_path = PostgresSource::snapshot_progress_path(&self.context.state_dir);
+        let mut export_snapshot = false;
+
+        // Publication.
+        let exists = client
+            .query_opt(
+                "SELECT 1 FROM pg_publication WHERE pubname = $1",
+                &[&self.publication],
+            )
+            .await
+            .map_err(io("cannot read pg_publication"))?
+            .is_some();
+        if !exists {
+            if !self.config.create {
+                return Err(SourceError::Inconsistent(format!(
+                    "publication `{}` does not exist (and `create = false`)",
+                    self.publication
+                )));
+            }
+            let target = if self.config.tables.is_empty() {
+                "ALL TABLES".to_owned()
+            } else {
+                let parts: Vec<String> = self
+                    .config
+                    .tables
+                    .iter()
+                    .map(|t| match t.split_once('.') {
+                        Some((schema, "*")) => format!("TABLES IN SCHEMA {}", quote_ident(schema)),
+                        Some((schema, table)) => {
+                            format!("TABLE {}.{}", quote_ident(schema), quote_ident(table))
+                        }
+                        None => format!("TABLE {}", quote_ident(t)),
+                    })
+                    .collect();
+                parts.join(", ")
+            };
+            client
+                .batch_execute(&format!(
+                    "CREATE PUBLICATION {} FOR {target}",
+                    quote_ident(&self.publication)
+                ))
+                .await
+                .map_err(io(format!(
+                    "cannot create publication `{}`",
+                    self.publication
+                )))?;
+            tracing::info!(publication = %self.publication, %target, "created publication");
+        }
+
+        // Slot.
+        let slot_row = client
+            .query_opt(
+                "SELECT confirmed_flush_lsn::text, coalesce(wal_status, '') FROM pg_replication_slots \
+                 WHERE slot_name = $1 AND database = current_database()",
+                &[&self.slot],
+            )
+            .await
+            .map_err(io("cannot read pg_replication_slots"))?;
+        match slot_row {
+            None if resume.is_some() => {
+                return Err(SourceError::Inconsistent(format!(
+                    "replication slot `{}` is gone but the checkpoint says this pipeline read from it: changes \
+                     since then are lost. Run `refract drop` on the pipeline (or delete its state directory) to start \
+                     over with a new slot and a fresh snapshot",
+                    self.slot
+                )));
+            }
+            Some(row) => {
+                let wal_status: String = row.get(1);
+                if wal_status == "lost" {
+                    return Err(slot_lost(&self.slot));
+                }
+            }
+            None if self.config.create && self.config.snapshot == SnapshotMode::Initial => {
+                // Recorded before the slot exists: a crash right after creating it must not
+                // leave the existing rows unread. The slot itself is created below, on the
+                // replication session, exporting the snapshot the tables are read in.
+                snapshot::mark_snapshot_due(&snapshot_path)?;
+                export_snapshot = true;
+            }
+            None if self.config.create => {
+                client
+                    .execute(
+                        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                        &[&self.slot],
+                    )
+                    .await
+                    .map_err(io(format!(
+                        "cannot create replication slot `{}`",
+                        self.slot
+                    )))?;
+                tracing::info!(slot = %self.slot, "created replication slot");
+            }
+            None => {
+                return Err(SourceError::Inconsistent(format!(
+                    "replication slot `{}` does not exist (and `create = false`)",
+                    self.slot
+                )));
+            }
+        }
+
+        // Where to resume.
+        let (start_lsn, skip_through) = resume_point(resume);
+
+        // Rows to read into the stream: a backfill asked for, or an initial snapshot that is due.
+        snapshot::resume_after_copy(&self.context.state_dir, resume)?;
+        let chunker = if export_snapshot {
+            None
+        } else if let Some(scope) = &self.context.backfill {
+            Some(
+                Chunker::prepare(
+                    &self.config.url,
+                    &self.publication,
+                    &self.slot,
+                    self.config.chunk_rows,
+                    PostgresSource::backfill_progress_path(&self.context.state_dir),
+                    &scope.tables,
+                    scope.restart,
+                )
+                .await?,
+            )
+        } else if snapshot::unfinished(&snapshot_path) {
+            Some(
+                Chunker::prepare(
+                    &self.config.url,
+                    &self.publication,
+                    &self.slot,
+                    self.config.chunk_rows,
+                    snapshot_path,
+                    &[],
+                    false,
+                )
+                .await?,
+            )
+        } else {
+            None
+        };
+
+        // The caught-up marker, written after the slot exists so the stream is sure to reach it;
+        // after the last chunk when rows are being read.
+        let mut caught_up = CaughtUp::Never;
+        let mut marker_tx = None;
+        if mode == ReadMode::UntilCaughtUp && !export_snapshot {
+            if chunker.is_some() {
+                let (tx, rx) = oneshot::channel();
+                caught_up = CaughtUp::Pending(rx);
+                marker_tx = Some(tx);
+            } else {
+                caught_up = CaughtUp::At(emit_caught_up_marker(&client).await?);
+            }
+        }
+
+        let cfg = ReplicationConfig::new(
+            pg.get_hosts()
+                .first()
+                .map_or_else(|| "127.0.0.1".to_owned(), host_string),
+            pg.get_user().unwrap_or("postgres"),
+            pg.get_password()
+                .map(|p| String::from_utf8_lossy(p).into_owned())
+                .unwrap_or_default(),
+            pg.get_dbname().unwrap_or("postgres"),
+            self.slot.clone(),
+            self.publication.clone(),
+        )
+        .with_port(pg.get_ports().first().copied().unwrap_or(5432))
+        .with_tls(TlsConfig::disabled())
+        .with_status_interval(STATUS_INTERVAL)
+        .with_wakeup_interval(STATUS_INTERVAL)
+        .with_application_name("refract");
+        let (replication, copy) = if export_snapshot {
+            let (replication, copy) = snapshot::create_slot_exporting(
+                &cfg,
+                &self.config.url,
+                &self.slot,
+                &self.publication,
+                &self.context.state_dir,
+            )
+            .await?;
+            if mode == ReadMode::UntilCaughtUp {
+                caught_up = CaughtUp::At(emit_caught_up_marker(&client).await?);
+            }
+            (replication, Some(copy))
+        } else {
+            (
+                start_replication(&cfg, start_lsn, resume, &self.slot).await?,
+                None,
+            )
+        };
+
+        let (tx, rx) = mpsc::channel(CHANNEL_CHUNKS);
+        if let Some(chunker) = chunker {
+            self.chunks = Some(chunker.progress());
+            let errors = tx.clone();
+            let url = self.config.url.clone();
+            let mut stop = self.stop.subscribe();
+            tokio::spawn(async move {
+                let work = async {
+                    let report = chunker.run().await?;
+                    for (table, rows) in &report.tables {
+                        tracing::info!(%table, rows, "rows read into the stream");
+                    }
+                    if let Some(marker) = marker_tx {
+                        let client = connect(&url).await?;
+                        let _ = marker.send(emit_caught_up_marker(&client).await?);
+                    }
+                    Ok::<_, SourceError>(())
+                };
+                // A stop abandons the chunk being read (its progress is kept per chunk; a chunk
+                // committed but not yet recorded is read again, harmlessly).
+                let result = tokio::select! {
+                    result = work => result,
+                    _ = stop.wait_for(|s| *s) => Ok(()),
+                };
+                if let Err(e) = result {
+                    let _ = errors.send(Err(e)).await;
+                }
+            });
+        }
+        let reader = Reader {
+            catalog: client,
+            url: self.config.url.clone(),
+            slot: self.slot.clone(),
+            replication_config: cfg,
+            partition: self.partition.clone(),
+            db: pg.get_dbname().map(Arc::from),
+            rows_prefix: snapshot::message_prefix(&self.slot),
+            max_retained_wal: self.config.max_retained_wal_mb.saturating_mul(1 << 20),
+            relations: HashMap::new(),
+            tx: None,
+            chunk: Vec::new(),
+            skip_through,
+            caught_up,
+            last_commit: resume.map(|o| o.0),
+            last_sent: None,
+            resumed_from: resume,
+            copy,
+            copy_end: None,
+            state_dir: self.context.state_dir.clone(),
+        };
+        let stop = self.stop.subscribe();
+        self.reader = Some(tokio::spawn(reader.run(replication, tx, durable, stop)));
+        self.rx = Some(rx);
+        Ok(())
+    }
+
+    async fn next_chunk(&mut self) -> Result<Option<Vec<SourceItem>>, SourceError> {
+        let Some(rx) = self.rx.as_mut() else {
+            return Ok(None);
+        };
+        match rx.recv().await {
+            Some(Ok(items)) => Ok(Some(items)),
+            Some(Err(e)) => Err(e),
+            None => Ok(None),
+        }
+    }
+
+    fn stop(&mut self) {
+        self.stop.send_replace(true);
+    }
+
+    async fn finish(&mut self) {
+        // The reader confirms the final checkpoint to the slot, then ends.
+        if let Some(reader) = self.reader.take() {
+            if tokio::time::timeout(FINAL_CONFIRM_WAIT + Duration::from_secs(1), reader)
+                .await
+                .is_err()
+            {
+                tracing::warn!(slot = %self.slot, "the final position was not confirmed to the slot in time; the next run confirms it");
+            }
+        }
+    }
+
+    fn progress(&self) -> Option<(u64, u64)> {
+        let p = self.chunks.as_ref()?;
+        let done = p.rows.load(Ordering::Relaxed);
+        Some((done, p.total.load(Ordering::Relaxed).max(done)))
+    }
+}
+
+/// Where the stream starts for a checkpoint: (LSN to ask for, changes to skip up to).
+fn resume_point(resume: Option<Offset>) -> (Lsn, Option<Offset>) {
+    match resume {
+        None => (Lsn::ZERO, None),
+        Some(Offset(lsn, u64::MAX)) => (Lsn::from_u64(lsn + 1), None),
+        Some(o @ Offset(lsn, _)) => (Lsn::from_u64(lsn), Some(o)),
+    }
+}
+
+/// Opens the replication stream at `start`, confirming no more than `durable`.
+async fn start_replication(
+    cfg: &ReplicationConfig,
+    start: Lsn,
+    durable: Option<Offset>,
+    slot: &str,
+) -> Result<ReplicationClient, SourceError> {
+    let mut cfg = cfg.clone().with_start_lsn(start);
+    if let Some(Offset(lsn, seq)) = durable {
+        // Confirm no more than what is durable until the runtime says otherwise.
+        cfg = cfg.with_ack_lsn(Lsn::from_u64(if seq == u64::MAX { lsn + 1 } else { lsn }));
+    }
+    ReplicationClient::connect(cfg)
+        .await
+        .map_err(|e| SourceError::Io {
+            message: format!("cannot start replication from slot `{slot}`: {e}"),
+            source: None,
+        })
+}
+
+/// Writes the caught-up marker; returns its LSN.
+async fn emit_caught_up_marker(client: &tokio_postgres::Client) -> Result<u64, SourceError> {
+    let row = client
+        .query_one(
+            "SELECT pg_logical_emit_message(false, $1, '')::text",
+            &[&CAUGHT_UP_PREFIX],
+        )
+        .await
+        .map_err(io(
+            "cannot write the caught-up marker (pg_logical_emit_message)",
+        ))?;
+    let lsn: String = row.get(0);
+    parse_lsn(&lsn)
+}
+
+fn slot_lost(slot: &str) -> SourceError {
+    SourceError::Inconsistent(format!(
+        "replication slot `{slot}` was invalidated (wal_status = lost): the server removed WAL it still \
+         needed, so changes were lost. Refusing to resume. Run `refract drop` on the pipeline (drops the \
+         slot and the state), then `refract run` again: it creates a new slot and re-reads every table \
+         (initial snapshot)"
+    ))
+}
+
+/// The wait before reconnection attempt `n` (1-based): exponential from 250 ms, with jitter.
+fn reconnect_delay(n: u32) -> Duration {
+    let base = Duration::from_millis(250).saturating_mul(1 << n.min(8).saturating_sub(1));
+    let base = base.min(MAX_RECONNECT_DELAY);
+    // Jitter from the clock's sub-second part: enough to spread several pipelines apart.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    base.mul_f64(0.75 + f64::from(nanos % 1000) / 2000.0)
+}
+
+/// Errors that reconnecting cannot fix.
+fn is_permanent(e: &SourceError) -> bool {
+    match e {
+        SourceError::Inconsistent(_) => true,
+        SourceError::Io { message, .. } => {
+            message.contains("authentication")
+                || message.contains("does not exist")
+                || message.contains("can no longer get changes")
+                || message.contains("invalidated")
+        }
+    }
+}
+
+/// When `--until-caught-up` stops.
+enum CaughtUp {
+    /// Following: never.
+    Never,
+    /// At the marker with this LSN.
+    At(u64),
+    /// At a marker written once the snapshot or backfill has been read.
+    Pending(oneshot::Receiver<u64>),
+}
+
+fn host_string(host: &tokio_postgres::config::Host) -> String {
+    match host {
+        tokio_postgres::config::Host::Tcp(h) => h.clone(),
+        tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
+    }
+}
+
+pub(crate) fn parse_lsn(text: &str) -> Result<u64, SourceError> {
+    let (hi, lo) = text
+        .split_once('/')
+        .ok_or_else(|| SourceError::Inconsistent(format!("`{text}` is not an LSN")))?;
+    let part = |s: &str| {
+        u64::from_str_radix(s, 16)
+            .map_err(|_| SourceError::Inconsistent(format!("`{text}` is not an LSN")))
+    };
+    Ok(part(hi)? << 32 | part(lo)?)
+}
+
+/// A relation as the source needs it.
+struct RelationInfo {
+    table: TableId,
+    shape: Relation,
+    /// The document key: the primary key, else the replica-identity columns.
+    key_columns: Vec<String>,
+    /// SQL types of the key columns (for re-reading a row by key).
+    key_types: Vec<String>,
+}
+
+/// The transaction being read.
+struct OpenTx {
+    lsn: u64,
+    xid: u32,
+    /// Items handed out of it so far; its BEGIN marker goes out with the first.
+    seq: u64,
+    commit_ms: i64,
+    /// Whether everything was durable before it began (restored if it turns out empty).
+    was_free: bool,
+}
+
+/// The task that reads the replication stream.
+struct Reader {
+    /// The control connection, for catalog look-ups (primary keys, TOAST re-reads, the slot).
+    catalog: tokio_postgres::Client,
+    url: String,
+    slot: String,
+    replication_config: ReplicationConfig,
+    partition: Arc<str>,
+    db: Option<Arc<str>>,
+    /// Prefix of this slot's snapshot/backfill chunk messages.
+    rows_prefix: String,
+    /// Retained WAL (bytes) above which a warning is logged.
+    max_retained_wal: u64,
+    relations: HashMap<u32, RelationInfo>,
+    tx: Option<OpenTx>,
+    chunk: Vec<SourceItem>,
+    /// Changes at or before this position are durable already (a transaction cut by a crash),
+    /// or were handed out before the connection was lost.
+    skip_through: Option<Offset>,
+    caught_up: CaughtUp,
+    /// The commit LSN of the last transaction handed out.
+    last_commit: Option<u64>,
+    /// The position of the last item handed out.
+    last_sent: Option<Offset>,
+    /// The checkpoint the run started from.
+    resumed_from: Option<Offset>,
+    /// An exported snapshot to read before the stream (the initial snapshot's fast path).
+    copy: Option<CopySnapshot>,
+    /// The position of its last row, until that is durable.
+    copy_end: Option<Offset>,
+    /// The pipeline's state directory (snapshot progress).
+    state_dir: PathBuf,
+}
+
+type Chunks = mpsc::Sender<Result<Vec<SourceItem>, SourceError>>;
+
+/// Why the stream ended.
+enum Ended {
+    /// Stopped, caught up or closed by the server on purpose: done.
+    Done,
+    /// The connection failed: reconnect.
+    Lost(String),
+}

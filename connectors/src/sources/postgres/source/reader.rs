@@ -1,0 +1,357 @@
+//! The stream's life: reading the replication stream, reconnecting with backoff, checking the
+//! slot, confirming the final position.
+
+use super::*;
+
+impl Reader {
+    pub(super) async fn run(
+        mut self,
+        mut replication: ReplicationClient,
+        out: Chunks,
+        mut durable: watch::Receiver<Checkpoint>,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        if let Some(copy) = self.copy.take() {
+            let lsn = copy.lsn;
+            match self.read_copy(copy, &out, &stop).await {
+                Ok(true) => match self.last_sent {
+                    // Complete once the last row is durable (see the durable branch).
+                    Some(last) => self.copy_end = Some(last),
+                    None => {
+                        if let Err(e) =
+                            snapshot::resume_after_copy(&self.state_dir, Some(Offset(lsn + 1, 0)))
+                        {
+                            let _ = out.send(Err(e)).await;
+                            return;
+                        }
+                    }
+                },
+                Ok(false) => {
+                    replication.stop();
+                    return;
+                }
+                Err(e) => {
+                    replication.stop();
+                    let _ = out.send(Err(e)).await;
+                    return;
+                }
+            }
+        }
+        let mut failures = 0u32;
+        let result = loop {
+            let started = Instant::now();
+            let ended = self
+                .stream(&mut replication, &out, &mut durable, &mut stop)
+                .await;
+            if !matches!(ended, Ok(Ended::Done)) {
+                replication.stop();
+            }
+            let reason = match ended {
+                Ok(Ended::Done) => {
+                    // Let the runtime finish (it writes the final checkpoint), then confirm
+                    // that checkpoint to the slot before the stream closes.
+                    drop(out);
+                    self.confirm_final(&replication, &mut durable).await;
+                    replication.stop();
+                    return;
+                }
+                Err(e) => break Err(e),
+                Ok(Ended::Lost(reason)) => reason,
+            };
+            // Reconnect with exponential backoff (reset after a connection that lasted), and
+            // resume right after the last change handed out: the server resends from the
+            // slot's confirmed position, which is never past it.
+            if started.elapsed() > MAX_RECONNECT_DELAY {
+                failures = 0;
+            }
+            let next = loop {
+                failures += 1;
+                let delay = reconnect_delay(failures);
+                tracing::warn!(
+                    slot = %self.slot,
+                    error = %reason,
+                    attempt = failures,
+                    retry_in_ms = delay.as_millis() as u64,
+                    "replication connection lost: reconnecting"
+                );
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    _ = stop.wait_for(|s| *s) => break None,
+                }
+                match self.reconnect().await {
+                    Ok(r) => break Some(r),
+                    Err(e) if is_permanent(&e) => {
+                        let _ = out.send(Err(e)).await;
+                        return;
+                    }
+                    Err(e) => tracing::debug!(error = %e, "reconnection failed"),
+                }
+            };
+            match next {
+                Some(r) => {
+                    tracing::info!(slot = %self.slot, "replication connection re-established");
+                    replication = r;
+                }
+                None => break Ok(()),
+            }
+        };
+        if let Err(e) = result {
+            let _ = out.send(Err(e)).await;
+        }
+    }
+
+    /// Waits (a bounded time) for the runtime's final checkpoint to cover everything handed
+    /// out, reports it to the server and waits until the slot shows it, so a run that ends does
+    /// not leave the slot behind its checkpoint (retaining WAL until the next run).
+    pub(super) async fn confirm_final(
+        &self,
+        replication: &ReplicationClient,
+        durable: &mut watch::Receiver<Checkpoint>,
+    ) {
+        let Some(last) = self.last_sent else {
+            return;
+        };
+        let deadline = tokio::time::Instant::now() + FINAL_CONFIRM_WAIT;
+        let reached = loop {
+            let at = durable.borrow_and_update().get(&*self.partition).copied();
+            if let Some(at) = at.filter(|a| *a >= last) {
+                break at;
+            }
+            match tokio::time::timeout_at(deadline, durable.changed()).await {
+                Ok(Ok(())) => continue,
+                // The checkpointer ended: its last value is final.
+                Ok(Err(_)) => match durable.borrow().get(&*self.partition).copied() {
+                    Some(at) if at >= last => break at,
+                    _ => return,
+                },
+                Err(_) => return,
+            }
+        };
+        let Offset(lsn, seq) = reached;
+        let target = if seq == u64::MAX { lsn + 1 } else { lsn };
+        replication.update_applied_lsn(Lsn::from_u64(target));
+        // The worker sends it at its next status tick (at most `STATUS_INTERVAL`).
+        while tokio::time::Instant::now() < deadline {
+            let confirmed = self
+                .catalog
+                .query_opt(
+                    "SELECT (confirmed_flush_lsn >= $2::text::pg_lsn) FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&self.slot, &Lsn::from_u64(target).to_string()],
+                )
+                .await;
+            match confirmed {
+                Ok(Some(row)) if row.get::<_, Option<bool>>(0) == Some(true) => return,
+                Ok(Some(_)) => tokio::time::sleep(Duration::from_millis(50)).await,
+                _ => return,
+            }
+        }
+    }
+
+    /// A new control connection and replication stream, resuming after the last item handed
+    /// out (or the checkpoint, when nothing was).
+    pub(super) async fn reconnect(&mut self) -> Result<ReplicationClient, SourceError> {
+        self.catalog = connect(&self.url).await?;
+        self.tx = None;
+        self.chunk.clear();
+        let from = self.last_sent.or(self.resumed_from);
+        let (start, skip) = resume_point(from);
+        self.skip_through = skip;
+        start_replication(
+            &self.replication_config,
+            start,
+            self.resumed_from,
+            &self.slot,
+        )
+        .await
+    }
+
+    pub(super) async fn stream(
+        &mut self,
+        replication: &mut ReplicationClient,
+        out: &Chunks,
+        durable: &mut watch::Receiver<Checkpoint>,
+        stop: &mut watch::Receiver<bool>,
+    ) -> Result<Ended, SourceError> {
+        // Whether everything handed out is durable, so the slot may follow the server. Not when
+        // resuming inside a transaction: its rest is still to come.
+        let mut in_flight_free = self.skip_through.is_none() && self.last_sent.is_none();
+        let mut slot_check = tokio::time::interval(SLOT_CHECK_INTERVAL);
+        loop {
+            let event = tokio::select! {
+                () = async { let _ = stop.wait_for(|s| *s).await; } => {
+                    // Hand out the changes read so far; the rest is read again next time.
+                    self.flush(out).await?;
+                    return Ok(Ended::Done);
+                }
+                changed = durable.changed() => {
+                    if changed.is_err() {
+                        return Ok(Ended::Done);
+                    }
+                    let durable_at = durable.borrow_and_update().get(&*self.partition).copied();
+                    if let Some(Offset(lsn, seq)) = durable_at {
+                        replication.update_applied_lsn(Lsn::from_u64(if seq == u64::MAX { lsn + 1 } else { lsn }));
+                        in_flight_free = seq == u64::MAX && Some(lsn) == self.last_commit && self.tx.is_none();
+                        self.resumed_from = Some(Offset(lsn, seq));
+                        if self.copy_end.is_some_and(|end| Offset(lsn, seq) >= end) {
+                            // Every row of the initial snapshot is durable.
+                            snapshot::resume_after_copy(&self.state_dir, Some(Offset(lsn, seq)))?;
+                            self.copy_end = None;
+                        }
+                    }
+                    continue;
+                }
+                at = async {
+                    match &mut self.caught_up {
+                        CaughtUp::Pending(rx) => rx.await.ok(),
+                        _ => std::future::pending().await,
+                    }
+                } => {
+                    self.caught_up = at.map_or(CaughtUp::Never, CaughtUp::At);
+                    continue;
+                }
+                _ = slot_check.tick() => {
+                    self.check_slot().await?;
+                    continue;
+                }
+                event = replication.recv() => event,
+            };
+            let event = match event {
+                Ok(event) => event,
+                Err(e) => return Ok(Ended::Lost(e.to_string())),
+            };
+            let Some(event) = event else {
+                self.flush(out).await?;
+                return Ok(Ended::Done);
+            };
+            match event {
+                ReplicationEvent::Begin {
+                    final_lsn,
+                    xid,
+                    commit_time_micros,
+                } => {
+                    let lsn = final_lsn.as_u64();
+                    let commit_ms = (commit_time_micros + pgoutput::PG_EPOCH_OFFSET_MICROS) / 1000;
+                    // Its BEGIN marker is handed out with its first item: a transaction with
+                    // nothing for this pipeline (only other pipelines' snapshot chunks, say)
+                    // leaves no trace.
+                    self.tx = Some(OpenTx {
+                        lsn,
+                        xid,
+                        seq: 0,
+                        commit_ms,
+                        was_free: in_flight_free,
+                    });
+                    in_flight_free = false;
+                }
+                ReplicationEvent::XLogData { data, .. } => {
+                    if let Err(e) = self.data(data).await {
+                        // A catalog look-up failed: the control connection is gone too.
+                        return Ok(Ended::Lost(e.to_string()));
+                    }
+                }
+                ReplicationEvent::Commit { .. } => {
+                    let Some(tx) = self.tx.take() else {
+                        return Err(SourceError::Inconsistent(
+                            "COMMIT without BEGIN in the replication stream".into(),
+                        ));
+                    };
+                    if tx.seq == 0 {
+                        in_flight_free = tx.was_free;
+                    } else {
+                        self.marker(TxStatus::End, Offset(tx.lsn, u64::MAX), &tx);
+                        self.last_commit = Some(tx.lsn);
+                        self.flush(out).await?;
+                    }
+                }
+                ReplicationEvent::Message {
+                    prefix,
+                    lsn,
+                    transactional,
+                    content,
+                } => {
+                    if transactional && prefix == self.rows_prefix && self.tx.is_some() {
+                        self.rows(&content);
+                    } else if prefix == CAUGHT_UP_PREFIX
+                        && matches!(self.caught_up, CaughtUp::At(at) if lsn.as_u64() >= at)
+                        && self.tx.is_none()
+                    {
+                        tracing::info!(lsn = %lsn, "caught up with the slot");
+                        self.flush(out).await?;
+                        return Ok(Ended::Done);
+                    }
+                }
+                ReplicationEvent::KeepAlive { wal_end, .. } => {
+                    // Nothing in flight and everything handed out is durable: let the slot
+                    // follow the server, so WAL of unrelated traffic is not retained for us.
+                    if in_flight_free && self.tx.is_none() && self.chunk.is_empty() {
+                        replication.update_applied_lsn(wal_end);
+                    }
+                }
+                ReplicationEvent::StoppedAt { .. } => {
+                    self.flush(out).await?;
+                    return Ok(Ended::Done);
+                }
+            }
+            if self.chunk.len() >= CHUNK_EVENTS {
+                self.flush(out).await?;
+            }
+        }
+    }
+
+    /// Warns when the slot holds back more WAL than allowed; stops when it was invalidated.
+    pub(super) async fn check_slot(&self) -> Result<(), SourceError> {
+        let row = match self
+            .catalog
+            .query_opt(
+                "SELECT coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::int8, \
+                        coalesce(wal_status, '') FROM pg_replication_slots WHERE slot_name = $1",
+                &[&self.slot],
+            )
+            .await
+        {
+            Ok(row) => row,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot check the slot");
+                return Ok(());
+            }
+        };
+        let Some(row) = row else {
+            return Err(SourceError::Inconsistent(format!(
+                "replication slot `{}` was dropped while the pipeline ran",
+                self.slot
+            )));
+        };
+        let retained = row.get::<_, i64>(0).max(0) as u64;
+        let status: String = row.get(1);
+        if status == "lost" {
+            return Err(slot_lost(&self.slot));
+        }
+        metrics::gauge!("refract_slot_retained_wal_bytes", "slot" => self.slot.clone())
+            .set(retained as f64);
+        if retained > self.max_retained_wal {
+            tracing::warn!(
+                slot = %self.slot,
+                retained_wal_mib = retained >> 20,
+                limit_mib = self.max_retained_wal >> 20,
+                wal_status = %status,
+                "the slot retains more WAL than `max_retained_wal_mb`: a sink may be stalled; \
+                 the server's disk fills until it catches up (or max_slot_wal_keep_size invalidates the slot)"
+            );
+        }
+        Ok(())
+    }
+
+    pub(super) async fn flush(&mut self, out: &Chunks) -> Result<(), SourceError> {
+        if self.chunk.is_empty() {
+            return Ok(());
+        }
+        let chunk = std::mem::take(&mut self.chunk);
+        self.last_sent = chunk.last().map(|item| match &item.record {
+            Ok(record) => record.position().offset,
+            Err(e) => e.position.offset,
+        });
+        out.send(Ok(chunk))
+            .await
+            .map_err(|_| SourceError::Inconsistent("the runtime stopped reading".into()))
+    }
+}
