@@ -255,36 +255,30 @@ impl Source for PostgresSource {
 
         // Rows to read into the stream: a backfill asked for, or an initial snapshot that is due.
         snapshot::resume_after_copy(&self.context.state_dir, resume)?;
-        let chunker = if export_snapshot {
+        let chunk_job = if export_snapshot {
             None
         } else if let Some(scope) = &self.context.backfill {
-            Some(
-                Chunker::prepare(
-                    &self.config.url,
-                    &self.publication,
-                    &self.slot,
-                    self.config.chunk_rows,
-                    PostgresSource::backfill_progress_path(&self.context.state_dir),
-                    &scope.tables,
-                    scope.restart,
-                )
-                .await?,
-            )
+            let path = PostgresSource::backfill_progress_path(&self.context.state_dir);
+            Some((path, scope.tables.as_slice(), scope.restart))
         } else if snapshot::unfinished(&snapshot_path) {
-            Some(
-                Chunker::prepare(
-                    &self.config.url,
-                    &self.publication,
-                    &self.slot,
-                    self.config.chunk_rows,
-                    snapshot_path,
-                    &[],
-                    false,
-                )
-                .await?,
-            )
+            Some((snapshot_path, &[][..], false))
         } else {
             None
+        };
+        let chunker = match chunk_job {
+            Some((path, tables, restart)) => Some(
+                Chunker::prepare(
+                    &self.config.url,
+                    &self.publication,
+                    &self.slot,
+                    self.config.chunk_rows,
+                    path,
+                    tables,
+                    restart,
+                )
+                .await?,
+            ),
+            None => None,
         };
 
         // The caught-up marker, written after the slot exists so the stream is sure to reach it;
