@@ -165,6 +165,16 @@ fn the_committed_json_schema_matches_the_binary() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), committed);
 }
 
+/// A `redis://` URL nothing answers at.
+fn unreachable_redis() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("redis://127.0.0.1:{port}")
+}
+
 #[test]
 fn the_demo_runs_to_completion_without_services() {
     let dir = tempfile::tempdir().unwrap();
@@ -175,6 +185,7 @@ fn the_demo_runs_to_completion_without_services() {
             .current_dir(WORKSPACE)
             .env("STATE_DIR", dir.path().join("state"))
             .env("DEMO_OUT", &out_dir)
+            .env("REDIS_URL", unreachable_redis())
             .env("OBJECT_STORE_URL", format!("file://{}", out_dir.display())),
     );
     let stdout = String::from_utf8_lossy(&run.stdout);
@@ -209,5 +220,83 @@ fn the_demo_runs_to_completion_without_services() {
     assert!(
         order["created_at"].as_str().is_some_and(|s| s.len() == 26),
         "{order}"
+    );
+    // Without Redis the cache invalidations went to the fallback file, and the summary says so.
+    let commands = std::fs::read_to_string(out_dir.join("redis-commands.txt")).unwrap();
+    assert!(
+        stdout.contains("NOTE") && stdout.contains("redis-commands.txt"),
+        "{stdout}"
+    );
+    for (_, id) in docs.keys().filter(|(c, _)| c == "products") {
+        assert!(
+            commands.contains(&format!("\"UNLINK\" \"demo:product:{id}:v3\"")),
+            "product {id} invalidated"
+        );
+    }
+}
+
+#[test]
+fn the_demo_invalidates_product_keys_in_a_redis_that_answers() {
+    let redis_url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let mut redis = redis::Client::open(redis_url.as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("out");
+    // Every product id the log touches, as a reader would have cached it.
+    let log =
+        std::fs::read_to_string(Path::new(WORKSPACE).join("pipelines/demo/changes.jsonl")).unwrap();
+    let mut keys = std::collections::BTreeSet::new();
+    for line in log.lines().filter(|l| l.contains(r#""table":"products""#)) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        for image in ["before", "after"] {
+            if let Some(row) = v[image].as_object() {
+                keys.insert(format!("demo:product:{}:v3", row["id"]));
+                keys.insert(format!(
+                    "demo:product:sku:{}:v3",
+                    row["sku"].as_str().unwrap()
+                ));
+            }
+        }
+    }
+    assert!(keys.len() > 20, "{keys:?}");
+    for k in &keys {
+        redis::cmd("SET")
+            .arg(k)
+            .arg("cached")
+            .exec(&mut redis)
+            .unwrap();
+    }
+    let run = output(
+        refract()
+            .args(["run", "pipelines/demo.toml"])
+            .current_dir(WORKSPACE)
+            .env("STATE_DIR", dir.path().join("state"))
+            .env("DEMO_OUT", &out_dir)
+            .env("REDIS_URL", &redis_url)
+            .env("OBJECT_STORE_URL", format!("file://{}", out_dir.display())),
+    );
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(!stdout.contains("NOTE"), "{stdout}");
+    assert!(!out_dir.join("redis-commands.txt").exists());
+    let left: Vec<&String> = keys
+        .iter()
+        .filter(|k| {
+            redis::cmd("EXISTS")
+                .arg(*k)
+                .query::<i64>(&mut redis)
+                .unwrap()
+                == 1
+        })
+        .collect();
+    assert!(
+        left.is_empty(),
+        "keys of changed products survived: {left:?}"
     );
 }

@@ -64,7 +64,23 @@ pub trait Sink: Send {
 
     /// Flushes and releases resources at shutdown.
     async fn close(&mut self) -> Result<(), SinkError>;
+
+    /// Something the run's summary must tell the user after [`Sink::close`] (a sink that wrote
+    /// somewhere else than configured, say).
+    fn notice(&self) -> Option<String> {
+        None
+    }
+
+    /// How long a batch may keep failing (and being retried) before the pipeline reports itself
+    /// unhealthy; it goes on retrying.
+    fn unhealthy_after(&self) -> std::time::Duration {
+        DEFAULT_UNHEALTHY_AFTER
+    }
 }
+
+/// Default bound on how long a batch may wait for a failing sink before the pipeline reports
+/// itself unhealthy: longer than a typical failover, short enough to page someone.
+pub const DEFAULT_UNHEALTHY_AFTER: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A sink failure, classified for the retry policy.
 #[derive(Debug, thiserror::Error)]

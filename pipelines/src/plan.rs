@@ -167,6 +167,20 @@ pub fn render(loaded: &LoadedPipeline, check: &SourceCheck) -> String {
                     r.sinks.join(", ")
                 );
             }
+            ProjectionConfig::CacheInvalidation(ci) => {
+                for (table, t) in &ci.tables {
+                    let version = t
+                        .version_column
+                        .as_ref()
+                        .map_or(String::new(), |v| format!(", version from `{v}`"));
+                    let _ = writeln!(
+                        out,
+                        "projects `{name}` (cache_invalidation): {table} -> after each commit, keys {} of the old and the new row{version} -> sinks {}",
+                        t.keys.join(", "),
+                        ci.sinks.join(", ")
+                    );
+                }
+            }
         }
     }
     for (name, s) in &c.sinks {
@@ -178,6 +192,39 @@ pub fn render(loaded: &LoadedPipeline, check: &SourceCheck) -> String {
                     show(&format!("sinks.{name}.url"), &o.url),
                     o.concurrency
                 );
+            }
+            SinkConfig::Redis(r) => {
+                let how = match r.command {
+                    refract_schemas::config::RedisDeleteCommand::Unlink => "UNLINK".to_owned(),
+                    refract_schemas::config::RedisDeleteCommand::Del => "DEL".to_owned(),
+                    refract_schemas::config::RedisDeleteCommand::Tombstone => {
+                        format!("tombstones living {} ms", r.tombstone_ttl_ms)
+                    }
+                };
+                let second = if r.second_delete_ms > 0 {
+                    format!(", again after {} ms", r.second_delete_ms)
+                } else {
+                    String::new()
+                };
+                let auth = match (&r.username, &r.password) {
+                    (Some(u), Some(_)) => format!(", as `{u}` with a password"),
+                    (None, Some(_)) => ", with a password".to_owned(),
+                    (Some(u), None) => format!(", as `{u}`"),
+                    (None, None) => String::new(),
+                };
+                let _ = writeln!(
+                    out,
+                    "writes `{name}` (redis): {} by {how}{second}, {} commands per round trip{auth}; unhealthy after {} ms of failures",
+                    show(&format!("sinks.{name}.url"), &r.url),
+                    r.pipeline_depth,
+                    r.unhealthy_after_ms
+                );
+                if let Some(f) = &r.fallback_file {
+                    let _ = writeln!(
+                        out,
+                        "             if Redis does not answer at start: commands go to {f} instead (demo mode)"
+                    );
+                }
             }
             SinkConfig::Null(_) => {
                 let _ = writeln!(out, "writes `{name}` (null): discards everything");
@@ -601,7 +648,9 @@ fn table_findings(
             if t.replica_identity != ReplicaIdentity::Full {
                 continue;
             }
-            let ProjectionConfig::Replica(r) = config;
+            let ProjectionConfig::Replica(r) = config else {
+                continue;
+            };
             let key = r
                 .key_columns
                 .iter()

@@ -4,6 +4,7 @@
 //! current time) and appends [`WriteOp`]s for the sinks. No IO, no async runtime, no clients, no
 //! clock: everything a projection does can be replayed and tested from a file of events.
 
+pub mod cache_invalidation;
 pub mod replica;
 
 use std::sync::Arc;
@@ -30,6 +31,17 @@ pub enum WriteOp {
         collection: Arc<str>,
         /// Key of the document.
         key: String,
+        /// Position of the change that produced it.
+        position: Position,
+    },
+    /// Make the cache entry `key` (an absolute key, no collection) stale: delete it, or replace it
+    /// with a tombstone carrying `version`. Emitted only for committed changes.
+    Invalidate {
+        /// The cache key.
+        key: String,
+        /// The row version the change produced ([`cache_invalidation::DELETED_VERSION`] for a
+        /// deleted row); cached values older than it are stale. `None` without a version column.
+        version: Option<i64>,
         /// Position of the change that produced it.
         position: Position,
     },
@@ -75,6 +87,11 @@ pub trait Projection: Send {
 
     /// Appends the write operations `event` implies to `out`. `now_ms` is the wall-clock time the
     /// runtime handed in (milliseconds since the epoch), for time-based projections.
+    ///
+    /// On an error the runtime dead-letters (or stops at) the event, and still applies what was
+    /// appended before it: a projection that can derive part of the operations (the cache keys
+    /// of the new row, not those of an old row it was not sent) appends them and then reports
+    /// the rest.
     fn project(
         &mut self,
         event: &ChangeEvent,
@@ -89,5 +106,8 @@ pub fn build(config: &refract_schemas::config::ProjectionConfig) -> Box<dyn Proj
     use refract_schemas::config::ProjectionConfig;
     match config {
         ProjectionConfig::Replica(c) => Box::new(replica::ReplicaProjection::new(c.clone())),
+        ProjectionConfig::CacheInvalidation(c) => {
+            Box::new(cache_invalidation::CacheInvalidationProjection::new(c))
+        }
     }
 }

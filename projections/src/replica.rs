@@ -242,6 +242,7 @@ mod tests {
                     collection, key, ..
                 } => format!("D {collection}/{key}"),
                 WriteOp::Truncate { collection, .. } => format!("T {collection}"),
+                WriteOp::Invalidate { key, .. } => format!("I {key}"),
             })
             .collect())
     }

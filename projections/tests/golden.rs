@@ -48,6 +48,9 @@ fn run_golden(name: &str, projection: &mut dyn Projection) {
                     WriteOp::Truncate { collection, .. } => {
                         json!({"line": i + 1, "truncate": *collection})
                     }
+                    WriteOp::Invalidate { key, version, .. } => {
+                        json!({"line": i + 1, "invalidate": key, "version": version})
+                    }
                 }
                 .to_string(),
             );

@@ -2,3 +2,4 @@
 
 pub mod null;
 pub mod object_json;
+pub mod redis;

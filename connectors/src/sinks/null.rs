@@ -34,7 +34,9 @@ impl Sink for NullSink {
         for op in &batch.ops {
             match op {
                 WriteOp::Upsert { .. } => report.upserted += 1,
-                WriteOp::Delete { .. } | WriteOp::Truncate { .. } => report.deleted += 1,
+                WriteOp::Delete { .. } | WriteOp::Truncate { .. } | WriteOp::Invalidate { .. } => {
+                    report.deleted += 1
+                }
             }
         }
         Ok(report)

@@ -180,6 +180,17 @@ impl Sink for ObjectJsonSink {
 
     async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
         let store = self.store.clone().expect("write after open");
+        if batch
+            .ops
+            .iter()
+            .any(|op| matches!(op, WriteOp::Invalidate { .. }))
+        {
+            return Err(SinkError::Permanent {
+                sink: self.name.clone(),
+                message: "cannot apply cache invalidations: write them to a `redis` sink".into(),
+                source: None,
+            });
+        }
         let mut report = WriteReport::default();
         for segment in batch
             .ops
@@ -199,7 +210,9 @@ impl Sink for ObjectJsonSink {
                     | WriteOp::Delete {
                         collection, key, ..
                     } => (&**collection, key.as_str()),
-                    WriteOp::Truncate { .. } => unreachable!("truncates end segments"),
+                    WriteOp::Truncate { .. } | WriteOp::Invalidate { .. } => {
+                        unreachable!("truncates end segments; invalidations are refused above")
+                    }
                 };
                 last.insert(key, i);
             }
@@ -247,7 +260,7 @@ impl Sink for ObjectJsonSink {
                                     }
                                 }
                             }
-                            WriteOp::Truncate { .. } => unreachable!(),
+                            WriteOp::Truncate { .. } | WriteOp::Invalidate { .. } => unreachable!(),
                         }
                     }
                 }))

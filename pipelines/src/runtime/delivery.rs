@@ -41,6 +41,8 @@ pub(crate) enum Ack {
     },
     /// The target failed permanently, or gave up retrying because of shutdown.
     Failed { error: SinkError, shutdown: bool },
+    /// The sink closed and has something to tell in the run's summary.
+    Notice(String),
 }
 
 /// Where a delivery task writes.
@@ -63,6 +65,13 @@ impl Target {
         match self {
             Target::Sink(s) => s.open().await,
             Target::DeadLetters(_) => Ok(()),
+        }
+    }
+
+    fn unhealthy_after(&self) -> Duration {
+        match self {
+            Target::Sink(s) => s.unhealthy_after(),
+            Target::DeadLetters(_) => refract_connectors::DEFAULT_UNHEALTHY_AFTER,
         }
     }
 
@@ -103,6 +112,10 @@ async fn retrying(
         .without_max_times()
         .build();
     let mut failures = 0u64;
+    let first_failure = std::time::Instant::now();
+    let unhealthy_after = target.unhealthy_after();
+    let healthy = metrics::gauge!("refract_sink_healthy", "sink" => name.clone());
+    let mut unhealthy = false;
     loop {
         let result = match attempt {
             Attempt::Open => target.open().await.map(|()| WriteReport::default()),
@@ -111,12 +124,20 @@ async fn retrying(
         match result {
             Ok(v) => {
                 if failures > 0 {
-                    tracing::info!(sink = %name, failures, "{what} succeeded after retrying");
+                    tracing::info!(sink = %name, failures, waited_ms = first_failure.elapsed().as_millis() as u64, "{what} succeeded after retrying");
+                }
+                if unhealthy || failures == 0 {
+                    healthy.set(1.0);
                 }
                 return Ok(v);
             }
             Err(e) if e.is_retryable() => {
                 failures += 1;
+                if !unhealthy && first_failure.elapsed() >= unhealthy_after {
+                    unhealthy = true;
+                    healthy.set(0.0);
+                    tracing::error!(sink = %name, waited_ms = first_failure.elapsed().as_millis() as u64, error = %e, "pipeline unhealthy: a batch has waited longer than the sink's bound; still retrying, the checkpoint holds");
+                }
                 let delay = backoff.next().unwrap_or(RETRY_MAX_DELAY);
                 tracing::warn!(sink = %name, attempt = failures, retry_in_ms = delay.as_millis() as u64, error = %e, "{what} failed, retrying");
                 tokio::select! {
@@ -167,6 +188,9 @@ pub(crate) async fn run(
     if let Target::Sink(sink) = &mut target {
         if let Err(e) = sink.close().await {
             tracing::warn!(sink = %name, error = %e, "closing the sink failed");
+        }
+        if let Some(notice) = sink.notice() {
+            let _ = acks.send(Ack::Notice(format!("sink `{name}`: {notice}")));
         }
     }
 }

@@ -303,6 +303,7 @@ pub async fn run(
     for (name, sink) in &config.sinks {
         let location = match sink {
             SinkConfig::ObjectJson(o) => mask_url(&o.url),
+            SinkConfig::Redis(r) => mask_url(&r.url),
             SinkConfig::Null(_) => "discarded".to_owned(),
         };
         processor
@@ -315,6 +316,7 @@ pub async fn run(
         mut summary,
         job_txs,
         cp_tx,
+        mut ack_rx,
         ..
     } = processor;
     if outcome.is_err() {
@@ -324,6 +326,12 @@ pub async fn run(
     drop(cp_tx);
     for task in tasks {
         let _ = task.await;
+    }
+    while let Ok(ack) = ack_rx.try_recv() {
+        if let Ack::Notice(notice) = ack {
+            tracing::warn!("{notice}");
+            summary.notices.push(notice);
+        }
     }
     let final_checkpoint = checkpointer.await.expect("checkpointer task")?;
     if outcome.is_ok() {
@@ -579,22 +587,21 @@ impl Processor {
                     }
                     read = true;
                     self.scratch.clear();
-                    match route.projection.project(&event, now, &mut self.scratch) {
-                        Ok(()) => {
-                            for (i, &sink) in route.sinks.iter().enumerate() {
-                                if i + 1 == route.sinks.len() {
-                                    self.batch.ops[sink].append(&mut self.scratch);
-                                } else {
-                                    self.batch.ops[sink].extend(self.scratch.iter().cloned());
-                                }
-                            }
+                    // Operations appended before an error are applied too: the projection
+                    // did what it could, and the event goes to the dead letters for the rest.
+                    let result = route.projection.project(&event, now, &mut self.scratch);
+                    for (i, &sink) in route.sinks.iter().enumerate() {
+                        if i + 1 == route.sinks.len() {
+                            self.batch.ops[sink].append(&mut self.scratch);
+                        } else {
+                            self.batch.ops[sink].extend(self.scratch.iter().cloned());
                         }
-                        Err(e) => {
-                            rejection = Some((
-                                Stage::Projection,
-                                format!("projection `{}`: {e}", route.name),
-                            ))
-                        }
+                    }
+                    if let Err(e) = result {
+                        rejection = Some((
+                            Stage::Projection,
+                            format!("projection `{}`: {e}", route.name),
+                        ));
                     }
                 }
                 if !read {
@@ -714,6 +721,10 @@ impl Processor {
                 shutdown: true,
             } => Err(RunError::Interrupted(error)),
             Ack::Failed { error, .. } => Err(RunError::Sink(error)),
+            Ack::Notice(notice) => {
+                self.summary.notices.push(notice);
+                Ok(())
+            }
         }
     }
 

@@ -35,6 +35,8 @@ pub struct RunSummary {
     pub elapsed: Duration,
     /// Whether SIGINT/SIGTERM ended the run.
     pub stopped_by_signal: bool,
+    /// What sinks had to tell at the end (a fallback they used, say).
+    pub notices: Vec<String>,
     #[serde(skip)]
     sink_names: Vec<String>,
     /// Per-op counters on the hot path, folded into `changes` by [`RunSummary::finish`].
@@ -68,6 +70,7 @@ impl RunSummary {
             resumed_from,
             elapsed: Duration::ZERO,
             stopped_by_signal: false,
+            notices: Vec::new(),
             sink_names,
             op_counts: [0; 5],
         }
@@ -179,6 +182,9 @@ impl RunSummary {
                 cp.join(", ")
             }
         ));
+        for notice in &self.notices {
+            out.push_str(&format!("NOTE           {notice}\n"));
+        }
         if self.stopped_by_signal {
             out.push_str(
                 "stopped by signal after draining; the next run resumes at the checkpoint\n",

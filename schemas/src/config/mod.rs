@@ -253,6 +253,8 @@ fn default_poll_ms() -> u64 {
 pub enum ProjectionConfig {
     /// The current state of each row, one document per primary key.
     Replica(ReplicaProjectionConfig),
+    /// Cache keys to delete after each committed change, built from the old and the new row.
+    CacheInvalidation(CacheInvalidationProjectionConfig),
 }
 
 impl PostgresSourceConfig {
@@ -290,6 +292,7 @@ impl ProjectionConfig {
     pub fn sinks(&self) -> &[String] {
         match self {
             ProjectionConfig::Replica(c) => &c.sinks,
+            ProjectionConfig::CacheInvalidation(c) => &c.sinks,
         }
     }
 }
@@ -322,12 +325,38 @@ fn default_collection() -> String {
     "{table}".into()
 }
 
+/// `kind = "cache_invalidation"`: per table, key templates rendered from the before image and the
+/// after image of every change; the union of the keys is invalidated.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CacheInvalidationProjectionConfig {
+    /// Per table (`table` or `schema.table`), the keys its rows are cached under.
+    pub tables: BTreeMap<String, CacheTableConfig>,
+    /// Sinks the invalidations go to (`redis`, or `null` for dry runs).
+    pub sinks: Vec<String>,
+}
+
+/// The cache keys of one table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CacheTableConfig {
+    /// Key templates: `{column}` is replaced by the column's value, `[...]` is an optional
+    /// segment left out when a column in it is null (`[t:{tenant_id}:]product:{id}:v3`).
+    pub keys: Vec<String>,
+    /// A column that grows with every change of a row (a version number, or an `updated_at`
+    /// timestamp), carried with each invalidation so a `tombstone` sink can refuse older values.
+    #[serde(default)]
+    pub version_column: Option<String>,
+}
+
 /// A sink: where write operations are applied.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum SinkConfig {
     /// One JSON object per document at `{url}/{collection}/{key}.json`.
     ObjectJson(ObjectJsonSinkConfig),
+    /// Redis: deletes invalidated cache keys (and stores documents as JSON strings).
+    Redis(RedisSinkConfig),
     /// Discards everything (benchmarks, dry runs).
     Null(NullSinkConfig),
 }
@@ -349,6 +378,74 @@ pub struct ObjectJsonSinkConfig {
 
 fn default_concurrency() -> usize {
     DEFAULT_OBJECT_CONCURRENCY
+}
+
+/// How a Redis sink removes an invalidated key.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RedisDeleteCommand {
+    /// `UNLINK`: the key disappears at once, its memory is freed in the background.
+    #[default]
+    Unlink,
+    /// `DEL`: frees the memory inline (servers older than 4.0, or when memory must drop now).
+    Del,
+    /// Replace the value with a short-lived tombstone that carries the row's version: the
+    /// application's versioned SET (a Lua script, see the README) refuses values older than it.
+    Tombstone,
+}
+
+/// `kind = "redis"`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RedisSinkConfig {
+    /// `redis://host:port/db`, or `rediss://` for TLS. User and password may be in the URL or in
+    /// `username` / `password`.
+    pub url: String,
+    /// ACL user name (`${REDIS_USERNAME}`); overrides the URL's.
+    #[serde(default)]
+    pub username: Option<String>,
+    /// Password (`${REDIS_PASSWORD}`); overrides the URL's. Never logged or shown by `plan`.
+    #[serde(default)]
+    pub password: Option<String>,
+    /// How invalidated keys are removed.
+    #[serde(default)]
+    pub command: RedisDeleteCommand,
+    /// Commands sent before reading their replies, 1 to 10,000.
+    #[serde(default = "default_pipeline_depth")]
+    pub pipeline_depth: usize,
+    /// Delete every invalidated key a second time this many milliseconds after the first
+    /// delete (0 = never), against a reader that caches a stale value it read just before the
+    /// change; 1 to 600,000 otherwise.
+    #[serde(default)]
+    pub second_delete_ms: u64,
+    /// Life of a tombstone (`command = "tombstone"`), in milliseconds: at least as long as a
+    /// reader may take between reading the primary store and setting the cache.
+    #[serde(default = "default_tombstone_ttl_ms")]
+    pub tombstone_ttl_ms: u64,
+    /// A batch that has waited this long for Redis (retrying) makes the pipeline report itself
+    /// unhealthy (log and `refract_sink_healthy` metric) until it is delivered; it keeps waiting.
+    #[serde(default = "default_unhealthy_after_ms")]
+    pub unhealthy_after_ms: u64,
+    /// Where to write the commands instead when Redis does not answer at start: for demos and
+    /// dry runs only (the keys are not deleted). Unset: wait for Redis.
+    #[serde(default)]
+    pub fallback_file: Option<String>,
+}
+
+/// Default Redis pipeline depth: hundreds of commands per round trip reach most of Redis'
+/// single-connection throughput while each reply buffer stays small.
+pub const DEFAULT_REDIS_PIPELINE_DEPTH: usize = 512;
+
+fn default_pipeline_depth() -> usize {
+    DEFAULT_REDIS_PIPELINE_DEPTH
+}
+
+fn default_tombstone_ttl_ms() -> u64 {
+    60_000
+}
+
+fn default_unhealthy_after_ms() -> u64 {
+    30_000
 }
 
 /// `kind = "null"`: no settings.

@@ -1,7 +1,8 @@
 //! Every semantic rule of pipeline files, in one place. Each problem names the field path and the
 //! broken rule; the loader turns the path into a line.
 
-use super::{PipelineFile, ProjectionConfig, SinkConfig, SourceConfig};
+use super::{PipelineFile, ProjectionConfig, RedisDeleteCommand, SinkConfig, SourceConfig};
+use crate::template::KeyTemplate;
 
 /// Object-store URL schemes refract can write to.
 const OBJECT_STORE_SCHEMES: &[&str] = &[
@@ -185,6 +186,54 @@ impl PipelineFile {
                         );
                     }
                 }
+                ProjectionConfig::CacheInvalidation(c) => {
+                    if c.tables.is_empty() {
+                        problem(
+                            &format!("{base}.tables"),
+                            "must name at least one table and its keys".into(),
+                        );
+                    }
+                    for (table, t) in &c.tables {
+                        let at = format!("{base}.tables.{table}");
+                        if t.keys.is_empty() {
+                            problem(&format!("{at}.keys"), "must list at least one key".into());
+                        }
+                        for (i, key) in t.keys.iter().enumerate() {
+                            if let Err(e) = KeyTemplate::parse(key) {
+                                problem(&format!("{at}.keys[{i}]"), e);
+                            }
+                        }
+                        if t.version_column.as_deref() == Some("") {
+                            problem(&format!("{at}.version_column"), "must not be empty".into());
+                        }
+                    }
+                    for (i, sink) in c.sinks.iter().enumerate() {
+                        match self.sinks.get(sink) {
+                            Some(SinkConfig::Redis(r)) => {
+                                if r.command == RedisDeleteCommand::Tombstone {
+                                    if let Some((table, _)) =
+                                        c.tables.iter().find(|(_, t)| t.version_column.is_none())
+                                    {
+                                        problem(
+                                            &format!("{base}.tables.{table}.version_column"),
+                                            format!(
+                                                "sink `{sink}` writes tombstones, which need the row's version: \
+                                                 name a version column"
+                                            ),
+                                        );
+                                    }
+                                }
+                            }
+                            Some(SinkConfig::Null(_)) | None => {}
+                            Some(_) => problem(
+                                &format!("{base}.sinks[{i}]"),
+                                format!(
+                                    "sink `{sink}` cannot apply cache invalidations (use a `redis` or `null` sink)"
+                                ),
+                            ),
+                        }
+                    }
+                }
             }
         }
 
@@ -206,6 +255,59 @@ impl PipelineFile {
                         1,
                         1024,
                     );
+                }
+                SinkConfig::Redis(r) => {
+                    if !(r.url.starts_with("redis://")
+                        || r.url.starts_with("rediss://")
+                        || r.url.starts_with("redis+unix://")
+                        || r.url.starts_with("unix://"))
+                    {
+                        problem(
+                            &format!("{base}.url"),
+                            format!(
+                                "`{}` is not a redis://, rediss:// or unix:// URL",
+                                mask_url(&r.url)
+                            ),
+                        );
+                    }
+                    range(
+                        &mut problem,
+                        &format!("{base}.pipeline_depth"),
+                        r.pipeline_depth as u64,
+                        1,
+                        10_000,
+                    );
+                    range(
+                        &mut problem,
+                        &format!("{base}.second_delete_ms"),
+                        r.second_delete_ms,
+                        0,
+                        600_000,
+                    );
+                    range(
+                        &mut problem,
+                        &format!("{base}.tombstone_ttl_ms"),
+                        r.tombstone_ttl_ms,
+                        1,
+                        86_400_000,
+                    );
+                    range(
+                        &mut problem,
+                        &format!("{base}.unhealthy_after_ms"),
+                        r.unhealthy_after_ms,
+                        100,
+                        86_400_000,
+                    );
+                    if r.command == RedisDeleteCommand::Tombstone && r.second_delete_ms > 0 {
+                        problem(
+                            &format!("{base}.second_delete_ms"),
+                            "a second delete would remove the tombstone: use one or the other"
+                                .into(),
+                        );
+                    }
+                    if r.fallback_file.as_deref() == Some("") {
+                        problem(&format!("{base}.fallback_file"), "must not be empty".into());
+                    }
                 }
                 SinkConfig::Null(_) => {}
             }

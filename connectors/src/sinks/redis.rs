@@ -1,0 +1,500 @@
+//! `kind = "redis"`: applies cache invalidations (and documents) to Redis.
+//!
+//! Each batch holds only committed source transactions (sources emit nothing of a transaction
+//! before its commit, and nothing of a rolled-back one), so every command here runs strictly
+//! after the commit it stems from. Per batch, the last operation per key wins; the commands go
+//! out pipelined, `pipeline_depth` at a time, on one connection that reconnects by itself
+//! (`redis::aio::ConnectionManager`). A failure returns a transient error: the runtime retries
+//! the whole batch with backoff and jitter while the checkpoint (and the replication slot) stays
+//! before it, so no delete is ever skipped; deletes are idempotent, so a retried batch is safe.
+//!
+//! - [`WriteOp::Invalidate`]: `UNLINK key` (or `DEL`), or with `command = "tombstone"` a Lua
+//!   script that sets `refract-tombstone:{version}` with a TTL unless a newer tombstone is there.
+//!   With `second_delete_ms`, every invalidated key is deleted again after that delay (after the
+//!   first delete is durable), against a reader that writes back a value it read before the
+//!   change. The second delete is best effort across a crash (the checkpoint does not wait for
+//!   it; a crash replays only what was not checkpointed).
+//! - [`WriteOp::Upsert`] / [`WriteOp::Delete`]: `SET {collection}:{key} <json>` / delete it.
+//! - [`WriteOp::Truncate`]: `SCAN MATCH {collection}:*` and delete what it finds.
+//!
+//! `fallback_file` (demos): when Redis does not answer at start, the commands are written to that
+//! file instead, one `redis-cli` line each, and the run's summary says so.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{ErrorKind, IntoConnectionInfo, RedisError, RetryMethod};
+use refract_projections::WriteOp;
+use refract_schemas::config::{RedisDeleteCommand, RedisSinkConfig, mask_url};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::{Sink, SinkBatch, SinkError, WriteReport};
+
+/// How long connecting may take before the attempt counts as failed (and is retried).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a pipeline may wait for its replies: a Redis that hangs fails the batch, which is
+/// retried, instead of stalling the pipeline silently.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Batches of second deletes waiting for their delay; a full queue slows the first deletes down.
+const SECOND_DELETE_QUEUE: usize = 1024;
+/// Retry delay of a failing second delete.
+const SECOND_DELETE_RETRY: Duration = Duration::from_millis(200);
+/// Keys per `SCAN` step of a truncate.
+const SCAN_COUNT: usize = 1000;
+
+/// Prefix of a tombstone value; the application's versioned SET recognizes it (see the README).
+pub const TOMBSTONE_PREFIX: &str = "refract-tombstone:";
+
+/// Sets a tombstone `refract-tombstone:{ARGV[1]}` with a TTL of `ARGV[2]` milliseconds, unless
+/// the key holds a newer tombstone.
+const TOMBSTONE_SCRIPT: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local v = string.match(cur, '^refract%-tombstone:(%-?%d+)$')
+  if v and tonumber(v) > tonumber(ARGV[1]) then return 0 end
+end
+redis.call('SET', KEYS[1], 'refract-tombstone:' .. ARGV[1], 'PX', ARGV[2])
+return 1
+";
+
+/// The Redis sink.
+pub struct RedisSink {
+    name: String,
+    config: RedisSinkConfig,
+    target: Option<Target>,
+    second: Option<SecondDeletes>,
+    keys_metric: metrics::Counter,
+}
+
+/// Where commands go.
+enum Target {
+    Redis(ConnectionManager),
+    /// Redis did not answer at start and `fallback_file` is set.
+    File {
+        path: String,
+        file: std::io::BufWriter<std::fs::File>,
+        commands: u64,
+    },
+}
+
+/// The delayed second deletes: a queue of (due time, keys) and the task that runs them.
+struct SecondDeletes {
+    queue: mpsc::Sender<(Instant, Vec<String>)>,
+    task: JoinHandle<()>,
+}
+
+impl RedisSink {
+    /// A Redis sink named `name` (not yet connected).
+    pub fn new(name: &str, config: RedisSinkConfig) -> Self {
+        let keys_metric =
+            metrics::counter!("refract_redis_keys_invalidated_total", "sink" => name.to_owned());
+        Self {
+            name: name.to_owned(),
+            config,
+            target: None,
+            second: None,
+            keys_metric,
+        }
+    }
+
+    fn error(&self, what: &str, e: RedisError) -> SinkError {
+        let message = format!("{what} ({}): {e}", mask_url(&self.config.url));
+        let permanent = matches!(e.retry_method(), RetryMethod::NoRetry)
+            || e.kind() == ErrorKind::AuthenticationFailed;
+        if permanent {
+            SinkError::Permanent {
+                sink: self.name.clone(),
+                message,
+                source: Some(Box::new(e)),
+            }
+        } else {
+            SinkError::Transient {
+                sink: self.name.clone(),
+                message,
+                source: Some(Box::new(e)),
+            }
+        }
+    }
+
+    async fn connect(&self) -> Result<ConnectionManager, SinkError> {
+        let config_error = |e: RedisError| SinkError::Permanent {
+            sink: self.name.clone(),
+            message: format!("invalid Redis URL {}: {e}", mask_url(&self.config.url)),
+            source: Some(Box::new(e)),
+        };
+        let info = self
+            .config
+            .url
+            .as_str()
+            .into_connection_info()
+            .map_err(config_error)?;
+        let mut settings = info.redis_settings().clone();
+        if let Some(user) = &self.config.username {
+            settings = settings.set_username(user);
+        }
+        if let Some(password) = &self.config.password {
+            settings = settings.set_password(password);
+        }
+        let client =
+            redis::Client::open(info.set_redis_settings(settings)).map_err(config_error)?;
+        let manager_config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(CONNECT_TIMEOUT))
+            .set_response_timeout(Some(RESPONSE_TIMEOUT))
+            .set_number_of_retries(1);
+        ConnectionManager::new_with_config(client, manager_config)
+            .await
+            .map_err(|e| self.error("cannot connect to Redis", e))
+    }
+
+    /// The command that removes an invalidated key.
+    fn delete_command(&self) -> &'static str {
+        match self.config.command {
+            RedisDeleteCommand::Del => "DEL",
+            RedisDeleteCommand::Unlink | RedisDeleteCommand::Tombstone => "UNLINK",
+        }
+    }
+
+    /// The commands of `ops` (the last operation per key wins), each as its arguments.
+    fn commands(&self, ops: &[WriteOp], report: &mut WriteReport) -> Vec<Command> {
+        let mut last: HashMap<String, usize> = HashMap::with_capacity(ops.len());
+        for (i, op) in ops.iter().enumerate() {
+            if let Some(key) = redis_key(op) {
+                last.insert(key, i);
+            }
+        }
+        let mut out = Vec::with_capacity(last.len());
+        for (i, op) in ops.iter().enumerate() {
+            if let WriteOp::Truncate { collection, .. } = op {
+                report.deleted += 1;
+                out.push(Command::Truncate(glob_escape(collection) + ":*"));
+                continue;
+            }
+            let key = redis_key(op).expect("every other op has a key");
+            if last.get(&key) != Some(&i) {
+                report.coalesced += 1;
+                continue;
+            }
+            out.push(match op {
+                WriteOp::Upsert { doc, .. } => {
+                    report.upserted += 1;
+                    let json = serde_json::to_string(&**doc).expect("a JSON map serializes");
+                    Command::Args(vec!["SET".into(), key, json])
+                }
+                WriteOp::Delete { .. } => {
+                    report.deleted += 1;
+                    Command::Args(vec![self.delete_command().into(), key])
+                }
+                WriteOp::Invalidate { version, .. } => {
+                    report.deleted += 1;
+                    match self.config.command {
+                        RedisDeleteCommand::Tombstone => Command::Args(vec![
+                            "EVAL".into(),
+                            TOMBSTONE_SCRIPT.into(),
+                            "1".into(),
+                            key,
+                            version.unwrap_or(0).to_string(),
+                            self.config.tombstone_ttl_ms.to_string(),
+                        ]),
+                        _ => Command::Args(vec![self.delete_command().into(), key]),
+                    }
+                }
+                WriteOp::Truncate { .. } => unreachable!("handled above"),
+            });
+        }
+        out
+    }
+
+    async fn send(&mut self, commands: &[Command]) -> Result<(), SinkError> {
+        let depth = self.config.pipeline_depth;
+        let target = self.target.as_mut().expect("write after open");
+        let mut conn = match target {
+            Target::Redis(conn) => conn.clone(),
+            Target::File {
+                file, commands: n, ..
+            } => {
+                for c in commands {
+                    let line = match c {
+                        Command::Args(args) => cli_line(args),
+                        Command::Truncate(pattern) => {
+                            format!("# delete every key matching {}", quote(pattern))
+                        }
+                    };
+                    *n += 1;
+                    writeln!(file, "{line}").map_err(|e| SinkError::Permanent {
+                        sink: self.name.clone(),
+                        message: format!("cannot write the fallback file: {e}"),
+                        source: Some(Box::new(e)),
+                    })?;
+                }
+                file.flush().map_err(|e| SinkError::Permanent {
+                    sink: self.name.clone(),
+                    message: format!("cannot write the fallback file: {e}"),
+                    source: Some(Box::new(e)),
+                })?;
+                return Ok(());
+            }
+        };
+        let mut rest = commands;
+        while !rest.is_empty() {
+            // A truncate runs alone, between the pipelines before and after it.
+            if let Command::Truncate(pattern) = &rest[0] {
+                self.truncate(&mut conn, pattern).await?;
+                rest = &rest[1..];
+                continue;
+            }
+            let n = rest
+                .iter()
+                .take(depth)
+                .take_while(|c| matches!(c, Command::Args(_)))
+                .count();
+            let mut pipe = redis::pipe();
+            for c in &rest[..n] {
+                if let Command::Args(args) = c {
+                    let mut cmd = redis::cmd(&args[0]);
+                    for a in &args[1..] {
+                        cmd.arg(a);
+                    }
+                    pipe.add_command(cmd).ignore();
+                }
+            }
+            pipe.query_async::<()>(&mut conn)
+                .await
+                .map_err(|e| self.error("pipeline failed", e))?;
+            rest = &rest[n..];
+        }
+        Ok(())
+    }
+
+    async fn truncate(&self, conn: &mut ConnectionManager, pattern: &str) -> Result<(), SinkError> {
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(pattern)
+                .arg("COUNT")
+                .arg(SCAN_COUNT)
+                .query_async(conn)
+                .await
+                .map_err(|e| self.error("SCAN failed", e))?;
+            if !keys.is_empty() {
+                redis::cmd(self.delete_command())
+                    .arg(&keys)
+                    .query_async::<()>(conn)
+                    .await
+                    .map_err(|e| self.error("delete failed", e))?;
+            }
+            if next == 0 {
+                return Ok(());
+            }
+            cursor = next;
+        }
+    }
+}
+
+/// One command for Redis.
+enum Command {
+    /// A command and its arguments.
+    Args(Vec<String>),
+    /// Delete every key matching this `SCAN` pattern.
+    Truncate(String),
+}
+
+/// The Redis key an operation addresses: invalidations carry absolute keys, documents live at
+/// `{collection}:{key}`.
+fn redis_key(op: &WriteOp) -> Option<String> {
+    match op {
+        WriteOp::Invalidate { key, .. } => Some(key.clone()),
+        WriteOp::Upsert {
+            collection, key, ..
+        }
+        | WriteOp::Delete {
+            collection, key, ..
+        } => Some(format!("{collection}:{key}")),
+        WriteOp::Truncate { .. } => None,
+    }
+}
+
+/// Escapes `SCAN MATCH` glob characters.
+fn glob_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A `redis-cli` line: each argument double-quoted with escapes.
+fn cli_line(args: &[String]) -> String {
+    let mut line = String::new();
+    for (i, a) in args.iter().enumerate() {
+        if i > 0 {
+            line.push(' ');
+        }
+        line.push_str(&quote(a));
+    }
+    line
+}
+
+fn quote(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c.is_control() => {
+                let _ = write!(out, "\\x{:02x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// Runs the second deletes as they fall due, retrying each until Redis takes it; stops when the
+/// queue closes and is empty.
+async fn second_deletes(
+    sink: String,
+    command: &'static str,
+    depth: usize,
+    mut conn: ConnectionManager,
+    mut queue: mpsc::Receiver<(Instant, Vec<String>)>,
+) {
+    let counter = metrics::counter!("refract_redis_second_deletes_total", "sink" => sink.clone());
+    while let Some((due, keys)) = queue.recv().await {
+        tokio::time::sleep_until(due).await;
+        for chunk in keys.chunks(depth) {
+            let mut pipe = redis::pipe();
+            for key in chunk {
+                pipe.cmd(command).arg(key).ignore();
+            }
+            let mut failures = 0u32;
+            while let Err(e) = pipe.query_async::<()>(&mut conn).await {
+                failures += 1;
+                if failures == 1 || failures % 50 == 0 {
+                    tracing::warn!(sink = %sink, error = %e, failures, "second delete failed, retrying");
+                }
+                tokio::time::sleep(SECOND_DELETE_RETRY).await;
+            }
+            counter.increment(chunk.len() as u64);
+        }
+    }
+}
+
+#[async_trait]
+impl Sink for RedisSink {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    async fn open(&mut self) -> Result<(), SinkError> {
+        let conn = match self.connect().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                let Some(path) = self.config.fallback_file.clone() else {
+                    return Err(e);
+                };
+                tracing::warn!(sink = %self.name, error = %e, file = %path, "Redis does not answer: writing the commands to the fallback file instead (nothing is deleted)");
+                let parent = std::path::Path::new(&path).parent();
+                let file = parent
+                    .map_or(Ok(()), std::fs::create_dir_all)
+                    .and_then(|()| std::fs::File::create(&path))
+                    .map_err(|io| SinkError::Permanent {
+                    sink: self.name.clone(),
+                    message: format!("Redis does not answer ({e}) and the fallback file {path} cannot be created: {io}"),
+                    source: Some(Box::new(io)),
+                })?;
+                self.target = Some(Target::File {
+                    path,
+                    file: std::io::BufWriter::new(file),
+                    commands: 0,
+                });
+                return Ok(());
+            }
+        };
+        if self.config.second_delete_ms > 0 {
+            let (queue, rx) = mpsc::channel(SECOND_DELETE_QUEUE);
+            let task = tokio::spawn(second_deletes(
+                self.name.clone(),
+                self.delete_command(),
+                self.config.pipeline_depth,
+                conn.clone(),
+                rx,
+            ));
+            self.second = Some(SecondDeletes { queue, task });
+        }
+        tracing::info!(sink = %self.name, url = %mask_url(&self.config.url), command = ?self.config.command, "connected to Redis");
+        self.target = Some(Target::Redis(conn));
+        Ok(())
+    }
+
+    async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
+        let mut report = WriteReport::default();
+        let commands = self.commands(&batch.ops, &mut report);
+        self.send(&commands).await?;
+        let invalidated: Vec<String> = batch
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                WriteOp::Invalidate { key, .. } => Some(key.clone()),
+                _ => None,
+            })
+            .collect();
+        self.keys_metric.increment(invalidated.len() as u64);
+        if let Some(second) = &self.second {
+            if !invalidated.is_empty() {
+                let due = Instant::now() + Duration::from_millis(self.config.second_delete_ms);
+                let mut keys = invalidated;
+                keys.sort_unstable();
+                keys.dedup();
+                // The task only ends when the queue closes, which happens in `close`.
+                let _ = second.queue.send((due, keys)).await;
+            }
+        }
+        Ok(report)
+    }
+
+    async fn close(&mut self) -> Result<(), SinkError> {
+        if let Some(SecondDeletes { queue, task }) = self.second.take() {
+            drop(queue);
+            // Pending second deletes are due within `second_delete_ms`: wait for them.
+            let _ = task.await;
+        }
+        if let Some(Target::File { file, .. }) = &mut self.target {
+            let _ = file.flush();
+        }
+        Ok(())
+    }
+
+    fn notice(&self) -> Option<String> {
+        match &self.target {
+            Some(Target::File { path, commands, .. }) => Some(format!(
+                "Redis at {} did not answer: {commands} commands were written to {path} instead, \
+                 and no key was deleted",
+                mask_url(&self.config.url)
+            )),
+            _ => None,
+        }
+    }
+
+    fn unhealthy_after(&self) -> Duration {
+        Duration::from_millis(self.config.unhealthy_after_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests;
