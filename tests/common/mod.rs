@@ -9,6 +9,8 @@ use std::process::{Command, Output};
 
 use serde_json::{Value, json};
 
+pub mod cache;
+
 /// Whether the suite runs in CI (`CI=true`), where the big data sizes shrink.
 pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")

@@ -3,10 +3,11 @@
 //! Each batch holds only committed source transactions (sources emit nothing of a transaction
 //! before its commit, and nothing of a rolled-back one), so every command here runs strictly
 //! after the commit it stems from. Per batch, the last operation per key wins; the commands go
-//! out pipelined, `pipeline_depth` at a time, on one connection that reconnects by itself
-//! (`redis::aio::ConnectionManager`). A failure returns a transient error: the runtime retries
-//! the whole batch with backoff and jitter while the checkpoint (and the replication slot) stays
-//! before it, so no delete is ever skipped; deletes are idempotent, so a retried batch is safe.
+//! out pipelined, `pipeline_depth` at a time, on one connection. A failure drops the connection
+//! and returns a transient error: the runtime retries the whole batch with backoff and jitter
+//! (each retry connects afresh, so a Redis back from an outage or a failover is used at the next
+//! attempt) while the checkpoint (and the replication slot) stays before it, so no delete is
+//! ever skipped; deletes are idempotent, so a retried batch is safe.
 //!
 //! - [`WriteOp::Invalidate`]: `UNLINK key` (or `DEL`), or with `command = "tombstone"` a Lua
 //!   script that sets `refract-tombstone:{version}` with a TTL unless a newer tombstone is there.
@@ -26,8 +27,8 @@ use std::io::Write as _;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{ErrorKind, IntoConnectionInfo, RedisError, RetryMethod};
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, ErrorKind, IntoConnectionInfo, RedisError, RetryMethod};
 use refract_projections::WriteOp;
 use refract_schemas::config::{RedisDeleteCommand, RedisSinkConfig, mask_url};
 use tokio::sync::mpsc;
@@ -74,13 +75,49 @@ pub struct RedisSink {
 
 /// Where commands go.
 enum Target {
-    Redis(ConnectionManager),
+    /// The server, and the connection to it while it works.
+    Redis(Connector),
     /// Redis did not answer at start and `fallback_file` is set.
     File {
         path: String,
         file: std::io::BufWriter<std::fs::File>,
         commands: u64,
     },
+}
+
+/// Connects to Redis on demand and forgets a connection that failed.
+#[derive(Clone)]
+struct Connector {
+    client: redis::Client,
+    conn: Option<MultiplexedConnection>,
+}
+
+impl Connector {
+    /// The current connection, or a new one.
+    async fn get(&mut self) -> Result<MultiplexedConnection, RedisError> {
+        if let Some(conn) = &self.conn {
+            return Ok(conn.clone());
+        }
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(CONNECT_TIMEOUT))
+            .set_response_timeout(Some(RESPONSE_TIMEOUT));
+        let conn = self
+            .client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await?;
+        self.conn = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// Runs `pipe`; a failure drops the connection so the next attempt reconnects.
+    async fn run(&mut self, pipe: &redis::Pipeline) -> Result<(), RedisError> {
+        let mut conn = self.get().await?;
+        let result = pipe.query_async::<()>(&mut conn).await;
+        if result.is_err() {
+            self.conn = None;
+        }
+        result
+    }
 }
 
 /// The delayed second deletes: a queue of (due time, keys) and the task that runs them.
@@ -104,25 +141,10 @@ impl RedisSink {
     }
 
     fn error(&self, what: &str, e: RedisError) -> SinkError {
-        let message = format!("{what} ({}): {e}", mask_url(&self.config.url));
-        let permanent = matches!(e.retry_method(), RetryMethod::NoRetry)
-            || e.kind() == ErrorKind::AuthenticationFailed;
-        if permanent {
-            SinkError::Permanent {
-                sink: self.name.clone(),
-                message,
-                source: Some(Box::new(e)),
-            }
-        } else {
-            SinkError::Transient {
-                sink: self.name.clone(),
-                message,
-                source: Some(Box::new(e)),
-            }
-        }
+        error(&self.name, &self.config.url, what, e)
     }
 
-    async fn connect(&self) -> Result<ConnectionManager, SinkError> {
+    async fn connect(&self) -> Result<Connector, SinkError> {
         let config_error = |e: RedisError| SinkError::Permanent {
             sink: self.name.clone(),
             message: format!("invalid Redis URL {}: {e}", mask_url(&self.config.url)),
@@ -143,13 +165,12 @@ impl RedisSink {
         }
         let client =
             redis::Client::open(info.set_redis_settings(settings)).map_err(config_error)?;
-        let manager_config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(CONNECT_TIMEOUT))
-            .set_response_timeout(Some(RESPONSE_TIMEOUT))
-            .set_number_of_retries(1);
-        ConnectionManager::new_with_config(client, manager_config)
+        let mut connector = Connector { client, conn: None };
+        connector
+            .get()
             .await
-            .map_err(|e| self.error("cannot connect to Redis", e))
+            .map_err(|e| self.error("cannot connect to Redis", e))?;
+        Ok(connector)
     }
 
     /// The command that removes an invalidated key.
@@ -212,9 +233,10 @@ impl RedisSink {
 
     async fn send(&mut self, commands: &[Command]) -> Result<(), SinkError> {
         let depth = self.config.pipeline_depth;
+        let delete = self.delete_command();
         let target = self.target.as_mut().expect("write after open");
-        let mut conn = match target {
-            Target::Redis(conn) => conn.clone(),
+        let connector = match target {
+            Target::Redis(connector) => connector,
             Target::File {
                 file, commands: n, ..
             } => {
@@ -244,7 +266,8 @@ impl RedisSink {
         while !rest.is_empty() {
             // A truncate runs alone, between the pipelines before and after it.
             if let Command::Truncate(pattern) = &rest[0] {
-                self.truncate(&mut conn, pattern).await?;
+                let result = truncate(connector, pattern, delete).await;
+                result.map_err(|e| error(&self.name, &self.config.url, "truncate failed", e))?;
                 rest = &rest[1..];
                 continue;
             }
@@ -263,16 +286,25 @@ impl RedisSink {
                     pipe.add_command(cmd).ignore();
                 }
             }
-            pipe.query_async::<()>(&mut conn)
+            connector
+                .run(&pipe)
                 .await
-                .map_err(|e| self.error("pipeline failed", e))?;
+                .map_err(|e| error(&self.name, &self.config.url, "pipeline failed", e))?;
             rest = &rest[n..];
         }
         Ok(())
     }
+}
 
-    async fn truncate(&self, conn: &mut ConnectionManager, pattern: &str) -> Result<(), SinkError> {
-        let mut cursor: u64 = 0;
+/// Deletes every key matching `pattern`, `SCAN` step by step.
+async fn truncate(
+    connector: &mut Connector,
+    pattern: &str,
+    delete: &'static str,
+) -> Result<(), RedisError> {
+    let mut conn = connector.get().await?;
+    let mut cursor: u64 = 0;
+    let result = async {
         loop {
             let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
                 .arg(cursor)
@@ -280,15 +312,13 @@ impl RedisSink {
                 .arg(pattern)
                 .arg("COUNT")
                 .arg(SCAN_COUNT)
-                .query_async(conn)
-                .await
-                .map_err(|e| self.error("SCAN failed", e))?;
+                .query_async(&mut conn)
+                .await?;
             if !keys.is_empty() {
-                redis::cmd(self.delete_command())
+                redis::cmd(delete)
                     .arg(&keys)
-                    .query_async::<()>(conn)
-                    .await
-                    .map_err(|e| self.error("delete failed", e))?;
+                    .query_async::<()>(&mut conn)
+                    .await?;
             }
             if next == 0 {
                 return Ok(());
@@ -296,6 +326,11 @@ impl RedisSink {
             cursor = next;
         }
     }
+    .await;
+    if result.is_err() {
+        connector.conn = None;
+    }
+    result
 }
 
 /// One command for Redis.
@@ -365,13 +400,34 @@ fn quote(s: &str) -> String {
     out
 }
 
+/// A Redis failure as a sink error: transient unless retrying cannot help (a bad command, wrong
+/// credentials).
+fn error(sink: &str, url: &str, what: &str, e: RedisError) -> SinkError {
+    let message = format!("{what} ({}): {e}", mask_url(url));
+    let permanent = matches!(e.retry_method(), RetryMethod::NoRetry)
+        || e.kind() == ErrorKind::AuthenticationFailed;
+    if permanent {
+        SinkError::Permanent {
+            sink: sink.to_owned(),
+            message,
+            source: Some(Box::new(e)),
+        }
+    } else {
+        SinkError::Transient {
+            sink: sink.to_owned(),
+            message,
+            source: Some(Box::new(e)),
+        }
+    }
+}
+
 /// Runs the second deletes as they fall due, retrying each until Redis takes it; stops when the
 /// queue closes and is empty.
 async fn second_deletes(
     sink: String,
     command: &'static str,
     depth: usize,
-    mut conn: ConnectionManager,
+    mut connector: Connector,
     mut queue: mpsc::Receiver<(Instant, Vec<String>)>,
 ) {
     let counter = metrics::counter!("refract_redis_second_deletes_total", "sink" => sink.clone());
@@ -383,7 +439,7 @@ async fn second_deletes(
                 pipe.cmd(command).arg(key).ignore();
             }
             let mut failures = 0u32;
-            while let Err(e) = pipe.query_async::<()>(&mut conn).await {
+            while let Err(e) = connector.run(&pipe).await {
                 failures += 1;
                 if failures == 1 || failures % 50 == 0 {
                     tracing::warn!(sink = %sink, error = %e, failures, "second delete failed, retrying");
@@ -402,8 +458,8 @@ impl Sink for RedisSink {
     }
 
     async fn open(&mut self) -> Result<(), SinkError> {
-        let conn = match self.connect().await {
-            Ok(conn) => conn,
+        let connector = match self.connect().await {
+            Ok(connector) => connector,
             Err(e) => {
                 let Some(path) = self.config.fallback_file.clone() else {
                     return Err(e);
@@ -432,13 +488,13 @@ impl Sink for RedisSink {
                 self.name.clone(),
                 self.delete_command(),
                 self.config.pipeline_depth,
-                conn.clone(),
+                connector.clone(),
                 rx,
             ));
             self.second = Some(SecondDeletes { queue, task });
         }
         tracing::info!(sink = %self.name, url = %mask_url(&self.config.url), command = ?self.config.command, "connected to Redis");
-        self.target = Some(Target::Redis(conn));
+        self.target = Some(Target::Redis(connector));
         Ok(())
     }
 

@@ -11,8 +11,9 @@ use tokio::sync::{mpsc, watch};
 
 /// First retry delay: long enough not to hammer a target that just failed.
 const RETRY_MIN_DELAY: Duration = Duration::from_millis(100);
-/// Retry delay ceiling: a target back from an outage is noticed within this time.
-const RETRY_MAX_DELAY: Duration = Duration::from_secs(10);
+/// Retry delay ceiling: a target back from an outage is noticed within this time (jitter adds
+/// up to as much again).
+const RETRY_MAX_DELAY: Duration = Duration::from_secs(5);
 
 /// Work for a delivery task.
 pub(crate) enum Job {

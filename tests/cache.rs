@@ -1,0 +1,462 @@
+//! Cache invalidation end to end: PostgreSQL (logical replication) -> `cache_invalidation` ->
+//! Redis, against the real local PostgreSQL and a `redis-server` each test starts for itself.
+//!
+//! - deletes come strictly after their commit (MONITOR time vs the time COMMIT was sent), never
+//!   for a rolled-back transaction, and a sku change deletes the id key, the old and the new sku
+//!   key;
+//! - Redis killed for 30 s under a write load: afterwards every key that had to go is gone, and
+//!   while Redis was down the slot's `confirmed_flush_lsn` never passed the commit of the first
+//!   transaction whose deletes were not delivered (commit LSNs read from the WAL with
+//!   pg_walinspect);
+//! - SIGKILL of refract at random moments under load, 20 times: after catch-up no key filled
+//!   before a committed change survives, and keys of untouched products do.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::cache::*;
+use common::pg::{Cleanup, catch_up};
+use common::{Rng, Running, refract};
+
+fn exists(conn: &mut redis::Connection, key: &str) -> bool {
+    redis::cmd("EXISTS").arg(key).query::<i64>(conn).unwrap() == 1
+}
+
+fn keys(conn: &mut redis::Connection, pattern: &str) -> BTreeSet<String> {
+    redis::cmd("KEYS")
+        .arg(pattern)
+        .query::<Vec<String>>(conn)
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+#[test]
+fn deletes_follow_commits_skip_rollbacks_and_cover_the_old_and_new_sku() {
+    let t = "cache_order";
+    let _cleanup = Cleanup::new(t, &[t]);
+    fresh_products(t, 200);
+    let redis = RedisServer::start(false);
+    let monitor = Monitor::start(&redis);
+    let dir = tempfile::tempdir().unwrap();
+    let pipeline = cache_pipeline(dir.path(), t, &redis.url(), "", "");
+    catch_up(&pipeline);
+    let _daemon = Running::spawn(refract().arg("run").arg(&pipeline));
+
+    let mut pg = pg_client();
+    // (keys the transaction must delete, time COMMIT was sent)
+    let mut committed: Vec<(Vec<String>, f64)> = Vec::new();
+    for id in 1..=40i64 {
+        let mut tx = pg.transaction().unwrap();
+        let mut due = vec![format!("{t}:{id}"), format!("{t}:sku:sku-{id}")];
+        if id % 4 == 0 {
+            tx.execute(
+                &format!(
+                    "UPDATE {t} SET sku = sku || '-b', updated_at = clock_timestamp() WHERE id = $1"
+                ),
+                &[&id],
+            )
+            .unwrap();
+            due.push(format!("{t}:sku:sku-{id}-b"));
+        } else {
+            tx.execute(
+                &format!("UPDATE {t} SET price_cents = price_cents + 1 WHERE id = $1"),
+                &[&id],
+            )
+            .unwrap();
+        }
+        if id % 10 == 0 {
+            // Two products in one transaction.
+            let other = id + 100;
+            tx.execute(
+                &format!("UPDATE {t} SET name = 'renamed' WHERE id = $1"),
+                &[&other],
+            )
+            .unwrap();
+            due.push(format!("{t}:{other}"));
+            due.push(format!("{t}:sku:sku-{other}"));
+        }
+        // A delete before the commit would land in this pause.
+        std::thread::sleep(Duration::from_millis(60));
+        let sent = now();
+        tx.commit().unwrap();
+        committed.push((due, sent));
+    }
+    // Rolled back: products 151..=160 must see no command at all.
+    for id in 151..=160i64 {
+        let mut tx = pg.transaction().unwrap();
+        tx.execute(
+            &format!("UPDATE {t} SET sku = 'rolled-back-{id}', price_cents = 0 WHERE id = $1"),
+            &[&id],
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        tx.rollback().unwrap();
+    }
+    // A last committed change: once its key is deleted, everything before it was processed.
+    pg.execute(
+        &format!("UPDATE {t} SET price_cents = 1 WHERE id = 200"),
+        &[],
+    )
+    .unwrap();
+    monitor.wait_for("UNLINK", &format!("{t}:200"), Duration::from_secs(60));
+
+    let deletes: BTreeMap<String, f64> = monitor
+        .commands("UNLINK")
+        .into_iter()
+        .filter_map(|s| Some((s.args.get(1)?.clone(), s.at)))
+        .fold(BTreeMap::new(), |mut m, (k, at)| {
+            m.entry(k).or_insert(at);
+            m
+        });
+    let mut gaps = Vec::new();
+    for (due, sent) in &committed {
+        for key in due {
+            let at = *deletes
+                .get(key)
+                .unwrap_or_else(|| panic!("{key} was never deleted"));
+            // MONITOR stamps microseconds; the commit happened after `sent`.
+            assert!(
+                at + 1e-6 >= *sent,
+                "{key} deleted {:.1} ms before its transaction's COMMIT was sent",
+                (sent - at) * 1000.0
+            );
+            gaps.push(at - sent);
+        }
+    }
+    for id in 151..=160 {
+        let mentioned: Vec<_> = monitor
+            .seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| {
+                s.args
+                    .iter()
+                    .any(|a| a == &format!("{t}:{id}") || a.contains(&format!("rolled-back-{id}")))
+            })
+            .cloned()
+            .collect();
+        assert!(
+            mentioned.is_empty(),
+            "rolled-back product {id}: {mentioned:?}"
+        );
+    }
+    gaps.sort_by(f64::total_cmp);
+    println!(
+        "order: {} committed transactions, {} keys deleted, every delete after its COMMIT was sent \
+         (gap min {:.1} ms, median {:.1} ms, max {:.1} ms); 10 rolled-back transactions: no command",
+        committed.len(),
+        gaps.len(),
+        gaps[0] * 1000.0,
+        gaps[gaps.len() / 2] * 1000.0,
+        gaps[gaps.len() - 1] * 1000.0
+    );
+}
+
+/// One writer transaction of the "Redis down" test.
+struct Written {
+    xid: i64,
+    id: i64,
+    sent: f64,
+}
+
+#[test]
+fn redis_down_for_30_seconds_holds_the_slot_and_loses_no_delete() {
+    let t = "cache_down";
+    let products = 3000i64;
+    let _cleanup = Cleanup::new(t, &[t]);
+    fresh_products(t, products as u32);
+    let mut redis = RedisServer::start(true);
+    let mut conn = redis.connection();
+    for id in 1..=products {
+        redis::cmd("SET")
+            .arg(format!("{t}:{id}"))
+            .arg("cached")
+            .exec(&mut conn)
+            .unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let pipeline = cache_pipeline(dir.path(), t, &redis.url(), "unhealthy_after_ms = 5000", "");
+    catch_up(&pipeline);
+    let mut pg = pg_client();
+    pg.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+        .unwrap();
+    let start_lsn: String = pg
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .unwrap()
+        .get(0);
+    let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
+    let mut daemon = Running::spawn(
+        refract()
+            .arg("run")
+            .arg(&pipeline)
+            .env("RUST_LOG", "info")
+            .stderr(log),
+    );
+
+    // The writer: one product per transaction, each product once, 50 transactions/s.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut pg = pg_client();
+            let mut rng = Rng::new(4);
+            let mut order: Vec<i64> = (1..=products).collect();
+            for i in (1..order.len()).rev() {
+                order.swap(i, rng.below(i as u64 + 1) as usize);
+            }
+            let mut written = Vec::new();
+            for id in order {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let mut tx = pg.transaction().unwrap();
+                tx.execute(
+                    &format!("UPDATE {t} SET price_cents = price_cents + 1 WHERE id = $1"),
+                    &[&id],
+                )
+                .unwrap();
+                let xid: i64 = tx
+                    .query_one(
+                        "SELECT pg_current_xact_id()::text::bigint % 4294967296",
+                        &[],
+                    )
+                    .unwrap()
+                    .get(0);
+                let sent = now();
+                tx.commit().unwrap();
+                written.push(Written { xid, id, sent });
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            written
+        })
+    };
+    let down_secs = 30;
+    std::thread::sleep(Duration::from_secs(4));
+    let killed_at = now();
+    let confirmed_at_kill = confirmed_flush(&mut pg, &format!("refract_{t}"));
+    redis.kill();
+    let mut samples = Vec::new();
+    let until = Instant::now() + Duration::from_secs(down_secs);
+    while Instant::now() < until {
+        samples.push(confirmed_flush(&mut pg, &format!("refract_{t}")));
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let wal_while_down: i64 = pg
+        .query_one("SELECT (pg_current_wal_lsn() - '0/0')::bigint", &[])
+        .unwrap()
+        .get(0);
+    redis.start_again();
+    let restarted_at = now();
+    std::thread::sleep(Duration::from_secs(4));
+    stop.store(true, Ordering::Relaxed);
+    let written = writer.join().unwrap();
+    // The held deletes go out at the next retry (within about 10 s); then the daemon drains.
+    let mut conn = redis.connection();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while written
+        .iter()
+        .any(|w| exists(&mut conn, &format!("{t}:{}", w.id)))
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let recovered_after = now() - restarted_at;
+    daemon.terminate();
+    let run = daemon.wait_with_output();
+    let daemon_log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
+    assert!(
+        run.status.success(),
+        "the daemon ended with {}: {}",
+        run.status,
+        &daemon_log[daemon_log.len().saturating_sub(3000)..]
+    );
+    catch_up(&pipeline);
+
+    // Every product the writer changed lost its key; the others kept theirs.
+    let changed: BTreeSet<i64> = written.iter().map(|w| w.id).collect();
+    let survivors: Vec<i64> = changed
+        .iter()
+        .copied()
+        .filter(|id| exists(&mut conn, &format!("{t}:{id}")))
+        .collect();
+    assert!(
+        survivors.is_empty(),
+        "keys of committed changes survived: {survivors:?}"
+    );
+    let untouched = (1..=products).filter(|id| !changed.contains(id)).count();
+    assert!(untouched > 0, "the writer must leave some products alone");
+    assert_eq!(
+        keys(&mut conn, &format!("{t}:*")).len(),
+        untouched,
+        "untouched products keep their keys"
+    );
+
+    // The commit LSN of every writer transaction, from the WAL.
+    let commits: BTreeMap<i64, u64> = pg
+        .query(
+            "SELECT xid::text::bigint, (start_lsn - '0/0')::bigint FROM pg_get_wal_records_info($1::text::pg_lsn, pg_current_wal_flush_lsn())
+             WHERE resource_manager = 'Transaction' AND record_type = 'COMMIT'",
+            &[&start_lsn],
+        )
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.get::<_, i64>(0), r.get::<_, i64>(1) as u64))
+        .collect();
+    let first_undelivered = written
+        .iter()
+        .filter(|w| w.sent > killed_at)
+        .map(|w| commits[&w.xid])
+        .min()
+        .expect("transactions committed while Redis was down");
+    let during: Vec<&Written> = written
+        .iter()
+        .filter(|w| w.sent > killed_at && w.sent < restarted_at)
+        .collect();
+    let max_confirmed = samples.iter().copied().max().unwrap();
+    assert!(
+        max_confirmed <= first_undelivered,
+        "while Redis was down the slot was confirmed up to {}, past the commit {} of the first \
+         transaction whose deletes were not delivered",
+        lsn(max_confirmed),
+        lsn(first_undelivered)
+    );
+    assert!(
+        (wal_while_down as u64) > first_undelivered,
+        "the WAL moved on while Redis was down"
+    );
+    let after = confirmed_flush(&mut pg, &format!("refract_{t}"));
+    assert!(after > first_undelivered, "confirmed after Redis came back");
+    assert!(
+        daemon_log.contains("pipeline unhealthy"),
+        "a delete waiting longer than unhealthy_after_ms is reported"
+    );
+    println!(
+        "redis down {down_secs} s: {} transactions committed meanwhile; slot confirmed_flush_lsn \
+         {} at the kill, at most {} while down ({} samples), first undelivered commit at {}, WAL at \
+         {} when Redis came back, confirmed {} after catch-up; {} changed products, 0 keys left, \
+         {untouched} untouched keys kept; 'pipeline unhealthy' logged; keys gone {recovered_after:.1} s \
+         after Redis came back",
+        during.len(),
+        lsn(confirmed_at_kill),
+        lsn(max_confirmed),
+        samples.len(),
+        lsn(first_undelivered),
+        lsn(wal_while_down as u64),
+        lsn(after),
+        changed.len()
+    );
+}
+
+#[test]
+fn sigkill_at_random_moments_leaves_no_key_of_a_committed_change() {
+    let t = "cache_crash";
+    let products = 2000i64;
+    let controls = 100i64;
+    let _cleanup = Cleanup::new(t, &[t]);
+    fresh_products(t, products as u32);
+    let redis = RedisServer::start(false);
+    let mut conn = redis.connection();
+    for id in products - controls + 1..=products {
+        redis::cmd("SET")
+            .arg(format!("{t}:{id}"))
+            .arg("cached")
+            .exec(&mut conn)
+            .unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let pipeline = cache_pipeline(dir.path(), t, &redis.url(), "", "");
+    catch_up(&pipeline);
+
+    // The writer: a reader fills the keys of a product, then the product changes (a tenth of the
+    // changes move its sku, some transactions change several products).
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let stop = stop.clone();
+        let client = redis.client();
+        std::thread::spawn(move || {
+            let mut pg = pg_client();
+            let mut cache = client.get_connection().unwrap();
+            let mut rng = Rng::new(7);
+            let mut skus: BTreeMap<i64, String> =
+                (1..=products).map(|id| (id, format!("sku-{id}"))).collect();
+            let (mut txs, mut fills) = (0u64, 0u64);
+            while !stop.load(Ordering::Relaxed) {
+                let n = if rng.below(10) == 0 { 5 } else { 1 };
+                let ids: BTreeSet<i64> = (0..n)
+                    .map(|_| 1 + rng.below((products - controls) as u64) as i64)
+                    .collect();
+                for id in &ids {
+                    for key in [format!("{t}:{id}"), format!("{t}:sku:{}", skus[id])] {
+                        redis::cmd("SET")
+                            .arg(key)
+                            .arg("cached")
+                            .exec(&mut cache)
+                            .unwrap();
+                        fills += 1;
+                    }
+                }
+                let mut tx = pg.transaction().unwrap();
+                for id in &ids {
+                    if rng.below(10) == 0 {
+                        let sku = format!("sku-{id}-{txs}");
+                        tx.execute(
+                            &format!("UPDATE {t} SET sku = $2 WHERE id = $1"),
+                            &[id, &sku],
+                        )
+                        .unwrap();
+                        skus.insert(*id, sku);
+                    } else {
+                        tx.execute(
+                            &format!("UPDATE {t} SET price_cents = price_cents + 1 WHERE id = $1"),
+                            &[id],
+                        )
+                        .unwrap();
+                    }
+                }
+                tx.commit().unwrap();
+                txs += 1;
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            (txs, fills)
+        })
+    };
+    let mut rng = Rng::new(11);
+    let kills = 20;
+    for _ in 0..kills {
+        let mut daemon = Running::spawn(
+            refract()
+                .arg("run")
+                .arg(&pipeline)
+                .stderr(std::process::Stdio::null()),
+        );
+        std::thread::sleep(Duration::from_millis(300 + rng.below(1200)));
+        daemon.child().kill().unwrap();
+        daemon.child().wait().unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (txs, fills) = writer.join().unwrap();
+    catch_up(&pipeline);
+
+    let left = keys(&mut conn, &format!("{t}:*"));
+    let control: BTreeSet<String> = (products - controls + 1..=products)
+        .map(|id| format!("{t}:{id}"))
+        .collect();
+    let survivors: Vec<&String> = left.difference(&control).collect();
+    assert!(
+        survivors.is_empty(),
+        "{} keys filled before a committed change survived, e.g. {:?}",
+        survivors.len(),
+        survivors.iter().take(5).collect::<Vec<_>>()
+    );
+    assert_eq!(left, control, "keys of untouched products stay");
+    println!(
+        "crash: {kills} SIGKILLs during {txs} writer transactions ({fills} keys filled before their \
+         change): 0 survived after catch-up, {controls} untouched keys kept"
+    );
+}

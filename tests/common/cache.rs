@@ -1,0 +1,276 @@
+//! Helpers of the cache-invalidation tests: a Redis server each test owns (so it can be stopped
+//! and MONITORed without meeting other tests), a MONITOR recorder, a products table and its
+//! pipeline file.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::pg;
+
+/// A `redis-server` this test started on a free port; killed when dropped.
+pub struct RedisServer {
+    pub port: u16,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+    persistent: bool,
+}
+
+impl RedisServer {
+    /// Starts a server. `persistent` keeps every write in an append-only file synced on each
+    /// write, so keys survive a kill and restart (the "Redis down" test needs the keys that
+    /// were due for deletion still there when it comes back).
+    pub fn start(persistent: bool) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut server = RedisServer {
+            port,
+            dir: tempfile::tempdir().unwrap(),
+            child: None,
+            persistent,
+        };
+        server.start_again();
+        server
+    }
+
+    /// (Re)starts the server process on the same port and directory.
+    pub fn start_again(&mut self) {
+        assert!(self.child.is_none(), "already running");
+        let aof = if self.persistent { "yes" } else { "no" };
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", aof, "--appendfsync", "always"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server starts (is Redis installed?)");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(mut c) = self.client().get_connection() {
+                if redis::cmd("PING").query::<String>(&mut c).is_ok() {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "redis-server did not come up");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Kills the server (SIGKILL: clients see their connections drop, nothing is answered).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn client(&self) -> redis::Client {
+        redis::Client::open(self.url()).unwrap()
+    }
+
+    pub fn connection(&self) -> redis::Connection {
+        self.client().get_connection().unwrap()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// One command Redis executed, as MONITOR reports it.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    /// Server time, seconds since the epoch.
+    pub at: f64,
+    /// The command and its arguments.
+    pub args: Vec<String>,
+}
+
+/// Records every command a server executes (MONITOR) from a background thread, until the
+/// server goes away.
+pub struct Monitor {
+    pub seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl Monitor {
+    pub fn start(server: &RedisServer) -> Self {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut conn = server.connection();
+        redis::cmd("MONITOR").exec(&mut conn).unwrap();
+        let sink = seen.clone();
+        std::thread::spawn(move || {
+            while let Ok(value) = conn.recv_response() {
+                let line: String = match redis::from_redis_value(value) {
+                    Ok(l) => l,
+                    Err(_) => continue,
+                };
+                if let Some(s) = parse_monitor_line(&line) {
+                    sink.lock().unwrap().push(s);
+                }
+            }
+        });
+        Monitor { seen }
+    }
+
+    /// The commands named `name` (upper case) seen so far, with their keys.
+    pub fn commands(&self, name: &str) -> Vec<Seen> {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.args.first().is_some_and(|c| c.eq_ignore_ascii_case(name)))
+            .cloned()
+            .collect()
+    }
+
+    /// Waits until a `name` command on `key` has been seen; returns when it was executed.
+    pub fn wait_for(&self, name: &str, key: &str, timeout: Duration) -> f64 {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self
+                .commands(name)
+                .into_iter()
+                .find(|s| s.args.get(1).is_some_and(|k| k == key))
+            {
+                return s.at;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {name} {key} within {timeout:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Parses `1733150000.123456 [0 127.0.0.1:5555] "UNLINK" "key"`.
+fn parse_monitor_line(line: &str) -> Option<Seen> {
+    let (at, rest) = line.split_once(' ')?;
+    let at: f64 = at.parse().ok()?;
+    let rest = &rest[rest.find(']')? + 1..];
+    let mut args = Vec::new();
+    let mut chars = rest.chars();
+    while let Some(c) = chars.next() {
+        if c != '"' {
+            continue;
+        }
+        let mut arg = String::new();
+        while let Some(c) = chars.next() {
+            match c {
+                '"' => break,
+                '\\' => {
+                    if let Some(n) = chars.next() {
+                        arg.push(n);
+                    }
+                }
+                c => arg.push(c),
+            }
+        }
+        args.push(arg);
+    }
+    Some(Seen { at, args })
+}
+
+/// The wall clock in seconds since the epoch (the same clock Redis stamps MONITOR lines with).
+pub fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// A fresh products table shaped like the showcase's (`../shared/showcase/products.sql`) with
+/// `rows` products `p{id}` (sku `sku-{id}`), REPLICA IDENTITY FULL.
+pub fn fresh_products(table: &str, rows: u32) {
+    pg::drop_slot(table);
+    pg::psql(&format!(
+        "DROP TABLE IF EXISTS public.{table};
+         CREATE TABLE public.{table} (
+             id bigint PRIMARY KEY, tenant_id text NOT NULL, sku text NOT NULL UNIQUE,
+             name text NOT NULL, price_cents bigint NOT NULL,
+             updated_at timestamptz NOT NULL DEFAULT clock_timestamp());
+         ALTER TABLE public.{table} REPLICA IDENTITY FULL;
+         INSERT INTO public.{table} (id, tenant_id, sku, name, price_cents)
+           SELECT g, 't' || (g % 3), 'sku-' || g, 'product ' || g, 100 + g FROM generate_series(1, {rows}) g;"
+    ));
+}
+
+/// A pipeline file `{dir}/cache.toml` streaming `table` into the cache at `redis_url`, keys
+/// `{table}:{id}` and `{table}:sku:{sku}`; `sink_extra` and `table_extra` are added to the
+/// sink's and the table's sections.
+pub fn cache_pipeline(
+    dir: &Path,
+    table: &str,
+    redis_url: &str,
+    sink_extra: &str,
+    table_extra: &str,
+) -> PathBuf {
+    let text = format!(
+        r#"[pipeline]
+name = "{table}"
+state_dir = "{state}"
+
+[pipeline.batch]
+max_events = 500
+max_delay_ms = 20
+
+[source]
+kind = "postgres"
+url = "{url}"
+tables = ["public.{table}"]
+snapshot = "never"
+
+[projections.cache]
+kind = "cache_invalidation"
+sinks = ["redis"]
+
+[projections.cache.tables."public.{table}"]
+keys = ["{table}:{{id}}", "{table}:sku:{{sku}}"]
+{table_extra}
+
+[sinks.redis]
+kind = "redis"
+url = "{redis_url}"
+{sink_extra}
+"#,
+        state = dir.join("state").display(),
+        url = pg::url(),
+    );
+    let path = dir.join("cache.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// A synchronous PostgreSQL client on the test database.
+pub fn pg_client() -> postgres::Client {
+    postgres::Client::connect(&pg::url(), postgres::NoTls).expect("PostgreSQL answers")
+}
+
+/// The slot's `confirmed_flush_lsn` as a number.
+pub fn confirmed_flush(pg: &mut postgres::Client, slot: &str) -> u64 {
+    let row = pg
+        .query_one(
+            "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .unwrap();
+    row.get::<_, i64>(0) as u64
+}
+
+/// Formats an LSN like PostgreSQL (`16/B374D848`).
+pub fn lsn(v: u64) -> String {
+    format!("{:X}/{:X}", v >> 32, v & 0xFFFF_FFFF)
+}
