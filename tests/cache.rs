@@ -105,14 +105,12 @@ fn deletes_follow_commits_skip_rollbacks_and_cover_the_old_and_new_sku() {
     .unwrap();
     monitor.wait_for("UNLINK", &format!("{t}:200"), Duration::from_secs(60));
 
-    let deletes: BTreeMap<String, f64> = monitor
-        .commands("UNLINK")
-        .into_iter()
-        .filter_map(|s| Some((s.args.get(1)?.clone(), s.at)))
-        .fold(BTreeMap::new(), |mut m, (k, at)| {
-            m.entry(k).or_insert(at);
-            m
-        });
+    let mut deletes: BTreeMap<String, f64> = BTreeMap::new();
+    for s in monitor.commands("UNLINK") {
+        for key in &s.args[1..] {
+            deletes.entry(key.clone()).or_insert(s.at);
+        }
+    }
     let mut gaps = Vec::new();
     for (due, sent) in &committed {
         for key in due {

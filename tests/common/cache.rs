@@ -143,7 +143,7 @@ impl Monitor {
             if let Some(s) = self
                 .commands(name)
                 .into_iter()
-                .find(|s| s.args.get(1).is_some_and(|k| k == key))
+                .find(|s| s.args.iter().skip(1).any(|k| k == key))
             {
                 return s.at;
             }

@@ -9,7 +9,8 @@
 //! attempt) while the checkpoint (and the replication slot) stays before it, so no delete is
 //! ever skipped; deletes are idempotent, so a retried batch is safe.
 //!
-//! - [`WriteOp::Invalidate`]: `UNLINK key` (or `DEL`), or with `command = "tombstone"` a Lua
+//! - [`WriteOp::Invalidate`]: `UNLINK key…` (or `DEL`; consecutive deletes share a command,
+//!   `keys_per_command` keys each), or with `command = "tombstone"` a Lua
 //!   script that sets `refract-tombstone:{version}` with a TTL unless a newer tombstone is there.
 //!   With `second_delete_ms`, every invalidated key is deleted again after that delay (after the
 //!   first delete is durable), against a reader that writes back a value it read before the
@@ -21,6 +22,7 @@
 //! `fallback_file` (demos): when Redis does not answer at start, the commands are written to that
 //! file instead, one `redis-cli` line each, and the run's summary says so.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -181,23 +183,25 @@ impl RedisSink {
         }
     }
 
-    /// The commands of `ops` (the last operation per key wins), each as its arguments.
-    fn commands(&self, ops: &[WriteOp], report: &mut WriteReport) -> Vec<Command> {
-        let mut last: HashMap<String, usize> = HashMap::with_capacity(ops.len());
-        for (i, op) in ops.iter().enumerate() {
-            if let Some(key) = redis_key(op) {
+    /// What `ops` come to in Redis: the last operation per key wins.
+    fn commands<'a>(&self, ops: &'a [WriteOp], report: &mut WriteReport) -> Vec<Command<'a>> {
+        let keys: Vec<Option<Cow<'a, str>>> = ops.iter().map(redis_key).collect();
+        let mut last: HashMap<&str, usize> = HashMap::with_capacity(ops.len());
+        for (i, key) in keys.iter().enumerate() {
+            if let Some(key) = key {
                 last.insert(key, i);
             }
         }
         let mut out = Vec::with_capacity(last.len());
-        for (i, op) in ops.iter().enumerate() {
-            if let WriteOp::Truncate { collection, .. } = op {
-                report.deleted += 1;
-                out.push(Command::Truncate(glob_escape(collection) + ":*"));
+        for (i, (op, key)) in ops.iter().zip(&keys).enumerate() {
+            let Some(key) = key else {
+                if let WriteOp::Truncate { collection, .. } = op {
+                    report.deleted += 1;
+                    out.push(Command::Truncate(glob_escape(collection) + ":*"));
+                }
                 continue;
-            }
-            let key = redis_key(op).expect("every other op has a key");
-            if last.get(&key) != Some(&i) {
+            };
+            if last.get(&**key) != Some(&i) {
                 report.coalesced += 1;
                 continue;
             }
@@ -205,65 +209,90 @@ impl RedisSink {
                 WriteOp::Upsert { doc, .. } => {
                     report.upserted += 1;
                     let json = serde_json::to_string(&**doc).expect("a JSON map serializes");
-                    Command::Args(vec!["SET".into(), key, json])
+                    Command::Set(key.clone(), json)
                 }
-                WriteOp::Delete { .. } => {
+                WriteOp::Invalidate {
+                    version: Some(version),
+                    ..
+                } if self.config.command == RedisDeleteCommand::Tombstone => {
                     report.deleted += 1;
-                    Command::Args(vec![self.delete_command().into(), key])
+                    Command::Tombstone(key.clone(), *version)
                 }
-                WriteOp::Invalidate { version, .. } => {
+                WriteOp::Invalidate { .. } | WriteOp::Delete { .. } => {
                     report.deleted += 1;
-                    match self.config.command {
-                        RedisDeleteCommand::Tombstone => Command::Args(vec![
-                            "EVAL".into(),
-                            TOMBSTONE_SCRIPT.into(),
-                            "1".into(),
-                            key,
-                            version.unwrap_or(0).to_string(),
-                            self.config.tombstone_ttl_ms.to_string(),
-                        ]),
-                        _ => Command::Args(vec![self.delete_command().into(), key]),
-                    }
+                    Command::Delete(key.clone())
                 }
-                WriteOp::Truncate { .. } => unreachable!("handled above"),
+                WriteOp::Truncate { .. } => unreachable!("truncates have no key"),
             });
         }
         out
     }
 
-    async fn send(&mut self, commands: &[Command]) -> Result<(), SinkError> {
+    /// The Redis command of `c` (not a truncate).
+    fn redis_command(&self, c: &Command<'_>) -> redis::Cmd {
+        match c {
+            Command::Delete(key) => {
+                let mut cmd = redis::cmd(self.delete_command());
+                cmd.arg(&**key);
+                cmd
+            }
+            Command::Set(key, json) => {
+                let mut cmd = redis::cmd("SET");
+                cmd.arg(&**key).arg(json);
+                cmd
+            }
+            Command::Tombstone(key, version) => {
+                let mut cmd = redis::cmd("EVAL");
+                cmd.arg(TOMBSTONE_SCRIPT)
+                    .arg(1)
+                    .arg(&**key)
+                    .arg(*version)
+                    .arg(self.config.tombstone_ttl_ms);
+                cmd
+            }
+            Command::Truncate(_) => unreachable!("truncates run on their own"),
+        }
+    }
+
+    /// The `redis-cli` line of `c`, for the fallback file.
+    fn cli_line(&self, c: &Command<'_>) -> String {
+        match c {
+            Command::Delete(key) => format!("{} {}", quote(self.delete_command()), quote(key)),
+            Command::Set(key, json) => format!("\"SET\" {} {}", quote(key), quote(json)),
+            Command::Tombstone(key, version) => format!(
+                "\"SET\" {} {} \"PX\" \"{}\"",
+                quote(key),
+                quote(&format!("{TOMBSTONE_PREFIX}{version}")),
+                self.config.tombstone_ttl_ms
+            ),
+            Command::Truncate(pattern) => format!("# delete every key matching {}", quote(pattern)),
+        }
+    }
+
+    async fn send(&mut self, commands: &[Command<'_>]) -> Result<(), SinkError> {
         let depth = self.config.pipeline_depth;
         let delete = self.delete_command();
-        let target = self.target.as_mut().expect("write after open");
-        let connector = match target {
-            Target::Redis(connector) => connector,
-            Target::File {
-                file, commands: n, ..
-            } => {
-                for c in commands {
-                    let line = match c {
-                        Command::Args(args) => cli_line(args),
-                        Command::Truncate(pattern) => {
-                            format!("# delete every key matching {}", quote(pattern))
-                        }
-                    };
-                    *n += 1;
-                    writeln!(file, "{line}").map_err(|e| SinkError::Permanent {
-                        sink: self.name.clone(),
-                        message: format!("cannot write the fallback file: {e}"),
-                        source: Some(Box::new(e)),
-                    })?;
-                }
-                file.flush().map_err(|e| SinkError::Permanent {
-                    sink: self.name.clone(),
-                    message: format!("cannot write the fallback file: {e}"),
-                    source: Some(Box::new(e)),
-                })?;
-                return Ok(());
-            }
+        let fail = |e: std::io::Error| SinkError::Permanent {
+            sink: self.name.clone(),
+            message: format!("cannot write the fallback file: {e}"),
+            source: Some(Box::new(e)),
         };
+        if let Some(Target::File { .. }) = &self.target {
+            let lines: Vec<String> = commands.iter().map(|c| self.cli_line(c)).collect();
+            let Some(Target::File { file, commands, .. }) = &mut self.target else {
+                unreachable!("checked above")
+            };
+            for line in lines {
+                writeln!(file, "{line}").map_err(fail)?;
+                *commands += 1;
+            }
+            return file.flush().map_err(fail);
+        }
         let mut rest = commands;
         while !rest.is_empty() {
+            let Some(Target::Redis(connector)) = &mut self.target else {
+                unreachable!("write after open")
+            };
             // A truncate runs alone, between the pipelines before and after it.
             if let Command::Truncate(pattern) = &rest[0] {
                 let result = truncate(connector, pattern, delete).await;
@@ -271,21 +300,35 @@ impl RedisSink {
                 rest = &rest[1..];
                 continue;
             }
-            let n = rest
-                .iter()
-                .take(depth)
-                .take_while(|c| matches!(c, Command::Args(_)))
-                .count();
-            let mut pipe = redis::pipe();
-            for c in &rest[..n] {
-                if let Command::Args(args) = c {
-                    let mut cmd = redis::cmd(&args[0]);
-                    for a in &args[1..] {
-                        cmd.arg(a);
+            // Up to `depth` commands, consecutive deletes sharing one command.
+            let mut pipe = redis::Pipeline::with_capacity(depth.min(rest.len()));
+            let (mut n, mut commands) = (0, 0);
+            while n < rest.len() && commands < depth {
+                match &rest[n] {
+                    Command::Truncate(_) => break,
+                    Command::Delete(_) => {
+                        let mut cmd = redis::cmd(delete);
+                        let mut keys = 0;
+                        while let Some(Command::Delete(key)) = rest.get(n) {
+                            if keys == self.config.keys_per_command {
+                                break;
+                            }
+                            cmd.arg(&**key);
+                            keys += 1;
+                            n += 1;
+                        }
+                        pipe.add_command(cmd).ignore();
                     }
-                    pipe.add_command(cmd).ignore();
+                    c => {
+                        pipe.add_command(self.redis_command(c)).ignore();
+                        n += 1;
+                    }
                 }
+                commands += 1;
             }
+            let Some(Target::Redis(connector)) = &mut self.target else {
+                unreachable!("write after open")
+            };
             connector
                 .run(&pipe)
                 .await
@@ -333,25 +376,29 @@ async fn truncate(
     result
 }
 
-/// One command for Redis.
-enum Command {
-    /// A command and its arguments.
-    Args(Vec<String>),
+/// What one operation comes to in Redis.
+enum Command<'a> {
+    /// Delete the key (`UNLINK` or `DEL`).
+    Delete(Cow<'a, str>),
+    /// Store a document as JSON.
+    Set(Cow<'a, str>, String),
+    /// Replace the key by a tombstone of this version (unless a newer one is there).
+    Tombstone(Cow<'a, str>, i64),
     /// Delete every key matching this `SCAN` pattern.
     Truncate(String),
 }
 
 /// The Redis key an operation addresses: invalidations carry absolute keys, documents live at
 /// `{collection}:{key}`.
-fn redis_key(op: &WriteOp) -> Option<String> {
+fn redis_key(op: &WriteOp) -> Option<Cow<'_, str>> {
     match op {
-        WriteOp::Invalidate { key, .. } => Some(key.clone()),
+        WriteOp::Invalidate { key, .. } => Some(Cow::Borrowed(key)),
         WriteOp::Upsert {
             collection, key, ..
         }
         | WriteOp::Delete {
             collection, key, ..
-        } => Some(format!("{collection}:{key}")),
+        } => Some(Cow::Owned(format!("{collection}:{key}"))),
         WriteOp::Truncate { .. } => None,
     }
 }
@@ -368,18 +415,7 @@ fn glob_escape(s: &str) -> String {
     out
 }
 
-/// A `redis-cli` line: each argument double-quoted with escapes.
-fn cli_line(args: &[String]) -> String {
-    let mut line = String::new();
-    for (i, a) in args.iter().enumerate() {
-        if i > 0 {
-            line.push(' ');
-        }
-        line.push_str(&quote(a));
-    }
-    line
-}
-
+/// `s` double-quoted for `redis-cli`, with escapes.
 fn quote(s: &str) -> String {
     let mut out = String::with_capacity(s.len() + 2);
     out.push('"');

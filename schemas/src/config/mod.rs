@@ -413,6 +413,11 @@ pub struct RedisSinkConfig {
     /// Commands sent before reading their replies, 1 to 10,000.
     #[serde(default = "default_pipeline_depth")]
     pub pipeline_depth: usize,
+    /// Keys per `UNLINK`/`DEL` command, 1 to 1,000: consecutive deletes of a batch share one
+    /// command, which costs Redis far less than one command per key. Set 1 behind a proxy or a
+    /// Redis Cluster, where the keys of one command must live in one slot.
+    #[serde(default = "default_keys_per_command")]
+    pub keys_per_command: usize,
     /// Delete every invalidated key a second time this many milliseconds after the first
     /// delete (0 = never), against a reader that caches a stale value it read just before the
     /// change; 1 to 600,000 otherwise.
@@ -435,6 +440,14 @@ pub struct RedisSinkConfig {
 /// Default Redis pipeline depth: hundreds of commands per round trip reach most of Redis'
 /// single-connection throughput while each reply buffer stays small.
 pub const DEFAULT_REDIS_PIPELINE_DEPTH: usize = 512;
+
+/// Default keys per delete command: a hundred keys amortize Redis' per-command cost while one
+/// command stays a few KiB.
+pub const DEFAULT_REDIS_KEYS_PER_COMMAND: usize = 100;
+
+fn default_keys_per_command() -> usize {
+    DEFAULT_REDIS_KEYS_PER_COMMAND
+}
 
 fn default_pipeline_depth() -> usize {
     DEFAULT_REDIS_PIPELINE_DEPTH

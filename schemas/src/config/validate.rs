@@ -279,6 +279,13 @@ impl PipelineFile {
                     );
                     range(
                         &mut problem,
+                        &format!("{base}.keys_per_command"),
+                        r.keys_per_command as u64,
+                        1,
+                        1_000,
+                    );
+                    range(
+                        &mut problem,
                         &format!("{base}.second_delete_ms"),
                         r.second_delete_ms,
                         0,

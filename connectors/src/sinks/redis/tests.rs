@@ -27,6 +27,7 @@ fn config() -> RedisSinkConfig {
         username: None,
         password: None,
         command: RedisDeleteCommand::Unlink,
+        keys_per_command: 2,
         pipeline_depth: 3,
         second_delete_ms: 0,
         tombstone_ttl_ms: 60_000,
