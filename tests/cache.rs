@@ -458,3 +458,229 @@ fn sigkill_at_random_moments_leaves_no_key_of_a_committed_change() {
          change): 0 survived after catch-up, {controls} untouched keys kept"
     );
 }
+
+/// `redis-cli` over TLS against `port`, as the ACL user the test created.
+fn tls_cli(dir: &std::path::Path, port: u16, user: Option<(&str, &str)>, args: &[&str]) -> String {
+    let mut cmd = std::process::Command::new("redis-cli");
+    cmd.args([
+        "-h",
+        "127.0.0.1",
+        "-p",
+        &port.to_string(),
+        "--tls",
+        "--cacert",
+    ])
+    .arg(dir.join("ca.pem"));
+    if let Some((name, password)) = user {
+        cmd.args(["--user", name, "--pass", password, "--no-auth-warning"]);
+    }
+    let out = cmd.args(args).output().expect("redis-cli runs");
+    assert!(out.status.success(), "redis-cli {args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+#[test]
+fn tls_and_an_acl_user_from_the_environment() {
+    let t = "cache_tls";
+    let _cleanup = Cleanup::new(t, &[t]);
+    fresh_products(t, 10);
+    let dir = tempfile::tempdir().unwrap();
+    // A private CA, and a server certificate it signed for 127.0.0.1 and localhost.
+    let d = dir.path();
+    std::fs::write(
+        d.join("san.ext"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
+    )
+    .unwrap();
+    let steps: [Vec<&str>; 3] = [
+        vec![
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=refract test CA",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+        ],
+        vec![
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            "key.pem",
+            "-out",
+            "server.csr",
+        ],
+        vec![
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            "-out",
+            "cert.pem",
+        ],
+    ];
+    for args in steps {
+        let out = std::process::Command::new("openssl")
+            .args(&args)
+            .current_dir(d)
+            .output()
+            .expect("openssl runs");
+        assert!(out.status.success(), "openssl {args:?}: {out:?}");
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut server = Running::spawn(
+        std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                "0",
+                "--tls-port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+            ])
+            .args([
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--tls-auth-clients",
+                "no",
+            ])
+            .arg("--tls-cert-file")
+            .arg(dir.path().join("cert.pem"))
+            .arg("--tls-key-file")
+            .arg(dir.path().join("key.pem"))
+            .arg("--tls-ca-cert-file")
+            .arg(dir.path().join("ca.pem"))
+            .stdout(std::process::Stdio::null()),
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !std::process::Command::new("redis-cli")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "--tls",
+            "--cacert",
+        ])
+        .arg(dir.path().join("ca.pem"))
+        .arg("PING")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("PONG"))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the TLS redis-server did not come up"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Only the ACL user `refract` may do anything.
+    tls_cli(
+        dir.path(),
+        port,
+        None,
+        &[
+            "ACL",
+            "SETUSER",
+            "refract",
+            "on",
+            ">s3cret-pw",
+            "~*",
+            "+@all",
+        ],
+    );
+    tls_cli(
+        dir.path(),
+        port,
+        None,
+        &["ACL", "SETUSER", "default", "off"],
+    );
+    let user = Some(("refract", "s3cret-pw"));
+    for id in 1..=3 {
+        tls_cli(
+            dir.path(),
+            port,
+            user,
+            &["SET", &format!("{t}:{id}"), "cached"],
+        );
+    }
+    let pipeline = cache_pipeline(
+        dir.path(),
+        t,
+        &format!("rediss://localhost:{port}"),
+        &format!(
+            "tls_ca_file = \"{}\"\nusername = \"${{REDIS_USERNAME}}\"\npassword = \"${{REDIS_PASSWORD}}\"",
+            dir.path().join("ca.pem").display()
+        ),
+        "",
+    );
+    let env = [
+        ("REDIS_USERNAME", "refract"),
+        ("REDIS_PASSWORD", "s3cret-pw"),
+    ];
+    let plan = refract()
+        .arg("plan")
+        .arg(&pipeline)
+        .envs(env)
+        .output()
+        .unwrap();
+    let plan_text = String::from_utf8_lossy(&plan.stdout);
+    assert!(plan.status.success(), "{plan:?}");
+    assert!(
+        plan_text.contains("as `refract` with a password") && !plan_text.contains("s3cret"),
+        "{plan_text}"
+    );
+    // The first run creates the slot; the second replicates the changes.
+    let run = |pipeline: &std::path::Path| {
+        let out = refract()
+            .args(["run", "--until-caught-up"])
+            .arg(pipeline)
+            .envs(env)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!String::from_utf8_lossy(&out.stderr).contains("s3cret"));
+    };
+    run(&pipeline);
+    common::pg::psql(&format!(
+        "UPDATE {t} SET price_cents = 0 WHERE id IN (1, 2)"
+    ));
+    run(&pipeline);
+    let exists = |id: i64| tls_cli(dir.path(), port, user, &["EXISTS", &format!("{t}:{id}")]);
+    assert_eq!(
+        (exists(1), exists(2), exists(3)),
+        ("0".into(), "0".into(), "1".into())
+    );
+    server.child().kill().unwrap();
+    println!(
+        "tls: rediss:// with a private CA and an ACL user from REDIS_USERNAME/REDIS_PASSWORD: keys of changed products deleted, plan shows no password"
+    );
+}

@@ -147,6 +147,10 @@ impl RedisSink {
     }
 
     async fn connect(&self) -> Result<Connector, SinkError> {
+        // rustls needs one process-wide crypto provider, and the dependency graph enables two
+        // (ring and aws-lc-rs), so it cannot pick one by itself: take ring. A provider another
+        // component installed first is kept.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let config_error = |e: RedisError| SinkError::Permanent {
             sink: self.name.clone(),
             message: format!("invalid Redis URL {}: {e}", mask_url(&self.config.url)),
@@ -165,8 +169,22 @@ impl RedisSink {
         if let Some(password) = &self.config.password {
             settings = settings.set_password(password);
         }
-        let client =
-            redis::Client::open(info.set_redis_settings(settings)).map_err(config_error)?;
+        let info = info.set_redis_settings(settings);
+        let client = match &self.config.tls_ca_file {
+            None => redis::Client::open(info).map_err(config_error)?,
+            Some(path) => {
+                let pem = std::fs::read(path).map_err(|e| SinkError::Permanent {
+                    sink: self.name.clone(),
+                    message: format!("cannot read tls_ca_file {path}: {e}"),
+                    source: Some(Box::new(e)),
+                })?;
+                let certificates = redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem),
+                };
+                redis::Client::build_with_tls(info, certificates).map_err(config_error)?
+            }
+        };
         let mut connector = Connector { client, conn: None };
         connector
             .get()
@@ -440,8 +458,21 @@ fn quote(s: &str) -> String {
 /// credentials).
 fn error(sink: &str, url: &str, what: &str, e: RedisError) -> SinkError {
     let message = format!("{what} ({}): {e}", mask_url(url));
+    // A certificate the client refuses surfaces as invalid data: retrying cannot fix it.
+    let refused_tls = e.is_io_error() && {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+        let mut invalid = false;
+        while let Some(c) = cause {
+            invalid |= c
+                .downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::InvalidData);
+            cause = c.source();
+        }
+        invalid
+    };
     let permanent = matches!(e.retry_method(), RetryMethod::NoRetry)
-        || e.kind() == ErrorKind::AuthenticationFailed;
+        || e.kind() == ErrorKind::AuthenticationFailed
+        || refused_tls;
     if permanent {
         SinkError::Permanent {
             sink: sink.to_owned(),

@@ -255,13 +255,40 @@ pub async fn run(
     for (index, target) in targets.into_iter().enumerate() {
         let (tx, rx) = mpsc::channel(config.pipeline.queue_depth);
         job_txs.push(tx);
-        tasks.push(tokio::spawn(delivery::run(
+        let name = match &target {
+            Target::Sink(sink) => sink.name().to_owned(),
+            Target::DeadLetters(_) => "dead_letter".to_owned(),
+        };
+        let task = tokio::spawn(delivery::run(
             index,
             target,
             rx,
             ack_tx.clone(),
             stop_tasks.subscribe(),
-        )));
+        ));
+        // A task that panics (a bug in a sink or a library it uses) fails the run loudly
+        // instead of leaving the processor waiting for its acknowledgements.
+        let acks = ack_tx.clone();
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = task.await {
+                if e.is_panic() {
+                    let panic = e.into_panic();
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "no message".to_owned());
+                    let _ = acks.send(Ack::Failed {
+                        error: SinkError::Permanent {
+                            sink: name,
+                            message: format!("the sink's task panicked: {what}"),
+                            source: None,
+                        },
+                        shutdown: false,
+                    });
+                }
+            }
+        }));
     }
     drop(ack_tx);
 

@@ -407,6 +407,10 @@ pub struct RedisSinkConfig {
     /// Password (`${REDIS_PASSWORD}`); overrides the URL's. Never logged or shown by `plan`.
     #[serde(default)]
     pub password: Option<String>,
+    /// PEM file of the certificate authority that signed the server's certificate, for a
+    /// `rediss://` server with a private CA (default: the public web roots).
+    #[serde(default)]
+    pub tls_ca_file: Option<String>,
     /// How invalidated keys are removed.
     #[serde(default)]
     pub command: RedisDeleteCommand,

@@ -305,6 +305,12 @@ impl PipelineFile {
                         100,
                         86_400_000,
                     );
+                    if r.tls_ca_file.is_some() && !r.url.starts_with("rediss://") {
+                        problem(
+                            &format!("{base}.tls_ca_file"),
+                            "only applies to a rediss:// (TLS) URL".into(),
+                        );
+                    }
                     if r.command == RedisDeleteCommand::Tombstone && r.second_delete_ms > 0 {
                         problem(
                             &format!("{base}.second_delete_ms"),

@@ -26,6 +26,7 @@ fn config() -> RedisSinkConfig {
         url: url(),
         username: None,
         password: None,
+        tls_ca_file: None,
         command: RedisDeleteCommand::Unlink,
         keys_per_command: 2,
         pipeline_depth: 3,
