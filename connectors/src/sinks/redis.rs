@@ -458,18 +458,9 @@ fn quote(s: &str) -> String {
 /// credentials).
 fn error(sink: &str, url: &str, what: &str, e: RedisError) -> SinkError {
     let message = format!("{what} ({}): {e}", mask_url(url));
-    // A certificate the client refuses surfaces as invalid data: retrying cannot fix it.
-    let refused_tls = e.is_io_error() && {
-        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&e);
-        let mut invalid = false;
-        while let Some(c) = cause {
-            invalid |= c
-                .downcast_ref::<std::io::Error>()
-                .is_some_and(|io| io.kind() == std::io::ErrorKind::InvalidData);
-            cause = c.source();
-        }
-        invalid
-    };
+    // A certificate the client refuses cannot be fixed by retrying. The connector reports it
+    // as an IO error carrying only rustls' message, so the message is what there is to match.
+    let refused_tls = e.is_io_error() && e.to_string().contains("invalid peer certificate");
     let permanent = matches!(e.retry_method(), RetryMethod::NoRetry)
         || e.kind() == ErrorKind::AuthenticationFailed
         || refused_tls;
