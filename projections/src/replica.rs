@@ -97,8 +97,18 @@ impl ReplicaProjection {
 
 /// Renders key values as one string: each value as text (strings unquoted), joined by `,`, with
 /// `%` and `,` percent-escaped in composite keys so distinct keys never collide.
-pub fn render_key<'a>(values: impl ExactSizeIterator<Item = &'a Value>) -> String {
+pub fn render_key<'a>(mut values: impl ExactSizeIterator<Item = &'a Value>) -> String {
     let composite = values.len() > 1;
+    if !composite {
+        // One value (the usual primary key): its text directly, without an intermediate string.
+        return match values.next() {
+            Some(Value::String(s)) => s.clone(),
+            // A number's own text is what the JSON rendering of the value prints.
+            Some(Value::Number(n)) => n.to_string(),
+            Some(other) => other.to_string(),
+            None => String::new(),
+        };
+    }
     let mut out = String::new();
     for (i, v) in values.enumerate() {
         if i > 0 {
@@ -317,6 +327,26 @@ mod tests {
                 (got, want) => panic!("{name}: got {got:?}, want {want:?}"),
             }
         }
+    }
+
+    #[test]
+    fn single_keys_render_as_their_json_text() {
+        for v in [
+            json!(7),
+            json!(-7),
+            json!(u64::MAX),
+            json!(1.5),
+            json!(1e300),
+            json!(true),
+            json!(null),
+        ] {
+            assert_eq!(render_key([&v].into_iter()), v.to_string(), "{v}");
+        }
+        assert_eq!(render_key([&json!("a,b%")].into_iter()), "a,b%");
+        assert_eq!(
+            render_key([&json!(1), &json!("a,b")].into_iter()),
+            "1,a%2Cb"
+        );
     }
 
     #[test]

@@ -686,8 +686,18 @@ impl Processor {
             self.batch.started = None;
             return Ok(());
         }
-        let sinks = self.routes_sink_count();
-        let batch = std::mem::replace(&mut self.batch, Batch::new(sinks));
+        // The next batch starts with room for as many operations per sink as this one had: a
+        // steady flow (a snapshot) does not regrow vectors of operations batch after batch.
+        let next = Batch {
+            ops: self
+                .batch
+                .ops
+                .iter()
+                .map(|ops| Vec::with_capacity(ops.len()))
+                .collect(),
+            ..Batch::new(0)
+        };
+        let batch = std::mem::replace(&mut self.batch, next);
         self.next_seq += 1;
         let seq = self.next_seq;
         let mut jobs: Vec<(usize, Job)> = Vec::new();
@@ -718,10 +728,6 @@ impl Processor {
         }
         self.complete_ready();
         Ok(())
-    }
-
-    fn routes_sink_count(&self) -> usize {
-        self.job_txs.len() - 1
     }
 
     fn on_ack(&mut self, ack: Ack) -> Result<(), RunError> {

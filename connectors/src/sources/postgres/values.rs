@@ -62,14 +62,11 @@ pub fn text_to_json(type_oid: u32, text: &str) -> Result<Value, String> {
             let valid = text == "NaN"
                 || text == "Infinity"
                 || text == "-Infinity"
-                || (text.chars().any(|c| c.is_ascii_digit())
-                    && text.trim_start_matches(['-', '+']).chars().all(|c| {
-                        c.is_ascii_digit()
-                            || c == '.'
-                            || c == 'e'
-                            || c == 'E'
-                            || c == '-'
-                            || c == '+'
+                // Bytes, not chars: every accepted character is ASCII, and no byte of a
+                // multi-byte character is.
+                || (text.bytes().any(|c| c.is_ascii_digit())
+                    && text.trim_start_matches(['-', '+']).bytes().all(|c| {
+                        c.is_ascii_digit() || matches!(c, b'.' | b'e' | b'E' | b'-' | b'+')
                     }));
             if !valid {
                 return Err(bad("numeric"));

@@ -334,63 +334,101 @@ pub fn parse_copy_line<'a>(
     out: &mut Vec<Option<std::borrow::Cow<'a, str>>>,
 ) -> Result<(), String> {
     use std::borrow::Cow;
-    let utf8 = |b: &'a [u8]| std::str::from_utf8(b).map_err(|_| "a value is not UTF-8".to_owned());
     out.clear();
+    // The usual case: one UTF-8 check for the whole line instead of one per field (fields are
+    // cut at tabs, which are ASCII, so each field of a valid line is valid).
+    if let Ok(text) = std::str::from_utf8(line) {
+        let mut start = 0;
+        let mut escaped = false;
+        // One pass finds the tabs and notes the backslashes of each field.
+        for (i, &b) in line.iter().enumerate() {
+            if b == b'\\' {
+                escaped = true;
+            } else if b == b'\t' {
+                out.push(copy_field(text, start, i, escaped)?);
+                start = i + 1;
+                escaped = false;
+            }
+        }
+        out.push(copy_field(text, start, line.len(), escaped)?);
+        return Ok(());
+    }
+    // Not valid as a whole: field by field (an escape may still complete a character).
+    let utf8 = |b: &'a [u8]| std::str::from_utf8(b).map_err(|_| "a value is not UTF-8".to_owned());
     for field in line.split(|b| *b == b'\t') {
         if field == b"\\N" {
             out.push(None);
-            continue;
-        }
-        if !field.contains(&b'\\') {
+        } else if !field.contains(&b'\\') {
             out.push(Some(Cow::Borrowed(utf8(field)?)));
-            continue;
+        } else {
+            out.push(Some(Cow::Owned(unescape(field)?)));
         }
-        let mut bytes = Vec::with_capacity(field.len());
-        let mut i = 0;
-        while i < field.len() {
-            let b = field[i];
-            if b != b'\\' || i + 1 == field.len() {
-                bytes.push(b);
-                i += 1;
-                continue;
-            }
-            let next = field[i + 1];
-            i += 2;
-            match next {
-                b'b' => bytes.push(8),
-                b'f' => bytes.push(12),
-                b'n' => bytes.push(b'\n'),
-                b'r' => bytes.push(b'\r'),
-                b't' => bytes.push(b'\t'),
-                b'v' => bytes.push(11),
-                b'0'..=b'7' => {
-                    let mut value = u32::from(next - b'0');
-                    let mut digits = 1;
-                    while digits < 3 && i < field.len() && (b'0'..=b'7').contains(&field[i]) {
-                        value = value * 8 + u32::from(field[i] - b'0');
-                        i += 1;
-                        digits += 1;
-                    }
-                    bytes.push(value as u8);
-                }
-                b'x' => {
-                    let mut value = 0u32;
-                    let mut digits = 0;
-                    while digits < 2 && i < field.len() && field[i].is_ascii_hexdigit() {
-                        value = value * 16 + (field[i] as char).to_digit(16).unwrap_or(0);
-                        i += 1;
-                        digits += 1;
-                    }
-                    bytes.push(value as u8);
-                }
-                other => bytes.push(other),
-            }
-        }
-        out.push(Some(Cow::Owned(
-            String::from_utf8(bytes).map_err(|_| "a value is not UTF-8".to_owned())?,
-        )));
     }
     Ok(())
+}
+
+/// Field `start..end` of a valid UTF-8 line (cut at tabs, so on character boundaries); `escaped`
+/// when it holds a backslash.
+fn copy_field(
+    text: &str,
+    start: usize,
+    end: usize,
+    escaped: bool,
+) -> Result<Option<std::borrow::Cow<'_, str>>, String> {
+    let field = text.get(start..end).unwrap_or_default();
+    Ok(if !escaped {
+        Some(std::borrow::Cow::Borrowed(field))
+    } else if field == "\\N" {
+        None
+    } else {
+        Some(std::borrow::Cow::Owned(unescape(field.as_bytes())?))
+    })
+}
+
+/// Undoes the backslash escapes of one COPY text field.
+fn unescape(field: &[u8]) -> Result<String, String> {
+    let mut bytes = Vec::with_capacity(field.len());
+    let mut i = 0;
+    while i < field.len() {
+        let b = field[i];
+        if b != b'\\' || i + 1 == field.len() {
+            bytes.push(b);
+            i += 1;
+            continue;
+        }
+        let next = field[i + 1];
+        i += 2;
+        match next {
+            b'b' => bytes.push(8),
+            b'f' => bytes.push(12),
+            b'n' => bytes.push(b'\n'),
+            b'r' => bytes.push(b'\r'),
+            b't' => bytes.push(b'\t'),
+            b'v' => bytes.push(11),
+            b'0'..=b'7' => {
+                let mut value = u32::from(next - b'0');
+                let mut digits = 1;
+                while digits < 3 && i < field.len() && (b'0'..=b'7').contains(&field[i]) {
+                    value = value * 8 + u32::from(field[i] - b'0');
+                    i += 1;
+                    digits += 1;
+                }
+                bytes.push(value as u8);
+            }
+            b'x' => {
+                let mut value = 0u32;
+                let mut digits = 0;
+                while digits < 2 && i < field.len() && field[i].is_ascii_hexdigit() {
+                    value = value * 16 + (field[i] as char).to_digit(16).unwrap_or(0);
+                    i += 1;
+                    digits += 1;
+                }
+                bytes.push(value as u8);
+            }
+            other => bytes.push(other),
+        }
+    }
+    String::from_utf8(bytes).map_err(|_| "a value is not UTF-8".to_owned())
 }
 
 #[cfg(test)]
@@ -412,6 +450,11 @@ mod tests {
         assert_eq!(out[0].as_deref(), Some(""));
         let mut out = Vec::new();
         assert!(parse_copy_line(b"\xff", &mut out).is_err());
+        // Not UTF-8 as sent, but the escape completes the character (`\251` is 0xA9).
+        let mut out = Vec::new();
+        parse_copy_line(b"a\t\xc3\\251", &mut out).unwrap();
+        let fields: Vec<Option<&str>> = out.iter().map(|f| f.as_deref()).collect();
+        assert_eq!(fields, vec![Some("a"), Some("\u{e9}")]);
     }
 
     #[test]

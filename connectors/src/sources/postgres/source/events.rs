@@ -1,6 +1,8 @@
 //! Turning what the stream and the snapshot carry into items for the runtime: pgoutput
 //! messages, snapshot rows read with COPY, snapshot/backfill chunk messages.
 
+use std::borrow::Cow;
+
 use super::*;
 
 impl Reader {
@@ -23,21 +25,32 @@ impl Reader {
             };
             let names: Vec<String> = t.columns.iter().map(|(c, _)| c.clone()).collect();
             let types: Vec<u32> = t.columns.iter().map(|(_, o)| *o).collect();
+            let shape = RowShape::new(&names, &types, &t.key);
             let stream = copy.copy_out(index).await?;
             futures::pin_mut!(stream);
+            // Bytes of a line that a message left unfinished (PostgreSQL sends one row per
+            // message, so this stays empty and lines are parsed where they arrive).
             let mut pending: Vec<u8> = Vec::new();
+            // The fields' vector, kept between messages (emptied, so it borrows nothing).
+            let mut spare: Vec<Option<Cow<'static, str>>> = Vec::with_capacity(names.len());
             let mut row = 0u64;
             loop {
                 let data = match stream.next().await {
-                    Some(data) => {
-                        data.map_err(io(format!("reading `{}` (COPY) failed", t.table)))?
+                    Some(Ok(data)) => data,
+                    Some(Err(e)) => {
+                        return Err(io(format!("reading `{}` (COPY) failed", t.table))(e));
                     }
                     None => break,
                 };
-                pending.extend_from_slice(&data);
+                let carried = !pending.is_empty();
+                if carried {
+                    pending.extend_from_slice(&data);
+                }
+                let buffer: &[u8] = if carried { &pending } else { &data };
+                let mut fields = recycle(std::mem::take(&mut spare));
                 let mut start = 0;
-                while let Some(n) = memchr::memchr(b'\n', &pending[start..]) {
-                    let line = &pending[start..start + n];
+                while let Some(n) = memchr::memchr(b'\n', &buffer[start..]) {
+                    let line = &buffer[start..start + n];
                     start += n + 1;
                     row += 1;
                     let seq = CopySnapshot::seq(index, row);
@@ -45,7 +58,6 @@ impl Reader {
                         partition: self.partition.clone(),
                         offset: Offset(copy.lsn, seq),
                     };
-                    let mut fields = Vec::with_capacity(names.len());
                     if let Err(e) = snapshot::parse_copy_line(line, &mut fields) {
                         self.push_error(
                             position,
@@ -68,9 +80,14 @@ impl Reader {
                             .collect();
                         copy.mark(index, seq, key)?;
                     }
-                    self.push_read(&table, &t.key, &names, &types, &fields, position, None);
+                    self.push_read(&table, &shape, &names, &fields, position, None);
                 }
-                pending.drain(..start);
+                spare = recycle(fields);
+                if carried {
+                    pending.drain(..start);
+                } else {
+                    pending.extend_from_slice(&data[start..]);
+                }
                 if self.chunk.len() >= CHUNK_EVENTS {
                     self.flush(out).await?;
                 }
@@ -92,14 +109,13 @@ impl Reader {
         Ok(true)
     }
 
-    /// Hands out one row read from a table (snapshot or backfill) as a read event.
-    #[allow(clippy::too_many_arguments)]
+    /// Hands out one row read from a table (snapshot or backfill) as a read event; `shape`
+    /// describes `columns`.
     pub(super) fn push_read<S: AsRef<str> + serde::Serialize>(
         &mut self,
         table: &TableId,
-        key_names: &[String],
+        shape: &RowShape,
         columns: &[String],
-        types: &[u32],
         values: &[Option<S>],
         position: Position,
         tx: Option<(i64, u32, u64)>,
@@ -119,15 +135,17 @@ impl Reader {
                 raw,
             );
         }
-        // Collected into a vector first: building the map from it at once is cheaper than
-        // inserting column by column.
-        let mut pairs = Vec::with_capacity(columns.len());
-        for ((column, oid), value) in columns.iter().zip(types).zip(values) {
+        // Converted in column order (the first bad column is the one reported), into a vector
+        // kept between rows.
+        let mut converted = std::mem::take(&mut self.row_values);
+        converted.clear();
+        for ((column, oid), value) in columns.iter().zip(&shape.types).zip(values) {
             let v = match value {
                 None => Value::Null,
                 Some(text) => match text_to_json(*oid, text.as_ref()) {
                     Ok(v) => v,
                     Err(e) => {
+                        self.row_values = converted;
                         let raw = Bytes::from(serde_json::to_vec(values).unwrap_or_default());
                         return self.push_error(
                             position,
@@ -137,23 +155,20 @@ impl Reader {
                     }
                 },
             };
-            pairs.push((column.clone(), v));
+            converted.push(v);
         }
-        let after: Row = pairs.into_iter().collect();
-        let key: Row = key_names
-            .iter()
-            .filter_map(|c| after.get(c).map(|v| (c.clone(), v.clone())))
-            .collect();
+        let (after, key) = shape.rows(&mut converted);
+        self.row_values = converted;
         let seq = position.offset.1;
         self.chunk.push(SourceItem {
             record: Ok(Record::Change(ChangeEvent {
                 table: table.clone(),
                 op: Op::Read,
-                key: (!key.is_empty()).then(|| Arc::new(key)),
+                key: key.map(Arc::new),
                 before: None,
                 after: Some(Arc::new(after)),
                 source: SourceInfo {
-                    connector: Some("postgresql".into()),
+                    connector: Some(self.connector.clone()),
                     db: self.db.clone(),
                     ts_ms: tx.map(|t| t.0),
                     tx_id: tx.map(|t| i64::from(t.1)),
@@ -193,17 +208,10 @@ impl Reader {
             return;
         };
         let tx = Some((commit_ms, xid, lsn));
+        let shape = RowShape::new(&message.columns, &message.types, &message.key);
         for values in &message.rows {
             let position = self.next_position();
-            self.push_read(
-                &table,
-                &message.key,
-                &message.columns,
-                &message.types,
-                values,
-                position,
-                tx,
-            );
+            self.push_read(&table, &shape, &message.columns, values, position, tx);
         }
     }
 
@@ -538,7 +546,7 @@ impl Reader {
             before: before.map(Arc::new),
             after: after.map(Arc::new),
             source: SourceInfo {
-                connector: Some("postgresql".into()),
+                connector: Some(self.connector.clone()),
                 db: self.db.clone(),
                 ts_ms: tx.map(|t| t.commit_ms),
                 tx_id: tx.map(|t| i64::from(t.xid)),
@@ -602,4 +610,151 @@ fn row(shape: &Relation, tuple: &Tuple, full_old: Option<&Tuple>) -> Result<Row,
         out.insert(column.name.clone(), value);
     }
     Ok(out)
+}
+
+/// How the rows of one column list are built. A [`Row`] is a map sorted by column name: rather
+/// than sorting and building a map per row, each row clones a template of the columns (nulls)
+/// and fills its values in map order, which costs one node and the name copies.
+pub(super) struct RowShape {
+    /// Type OIDs of the columns converted (as many as both the names and types given).
+    types: Vec<u32>,
+    /// Every column with a null value.
+    template: Row,
+    /// For each entry of `template` in map order, the index of its value among the columns
+    /// (the last of equal names, as building a map from the pairs keeps).
+    order: Vec<usize>,
+    /// The key columns found among the columns, with null values.
+    key_template: Row,
+    /// For each entry of `key_template` in map order, the index of its value.
+    key_order: Vec<usize>,
+}
+
+impl RowShape {
+    /// The shape of rows with `columns` of `types` (extra names or types are ignored, as
+    /// zipping them does) and key columns `key`.
+    pub(super) fn new(columns: &[String], types: &[u32], key: &[String]) -> Self {
+        let count = columns.len().min(types.len());
+        let mut index: std::collections::BTreeMap<&str, usize> = Default::default();
+        for (i, column) in columns[..count].iter().enumerate() {
+            index.insert(column, i);
+        }
+        let template: Row = index
+            .keys()
+            .map(|c| ((*c).to_owned(), Value::Null))
+            .collect();
+        let order = index.values().copied().collect();
+        let key_template: Row = key
+            .iter()
+            .filter(|c| index.contains_key(c.as_str()))
+            .map(|c| (c.clone(), Value::Null))
+            .collect();
+        let key_order = key_template
+            .keys()
+            .filter_map(|c| index.get(c.as_str()).copied())
+            .collect();
+        Self {
+            types: types[..count].to_vec(),
+            template,
+            order,
+            key_template,
+            key_order,
+        }
+    }
+
+    /// The row and its key (none without key columns) from the converted values, one per
+    /// column converted (as [`Self::types`]); takes the values out of `values`.
+    fn rows(&self, values: &mut [Value]) -> (Row, Option<Row>) {
+        let key = (!self.key_template.is_empty()).then(|| {
+            let mut key = self.key_template.clone();
+            for (slot, &i) in key.values_mut().zip(&self.key_order) {
+                if let Some(v) = values.get(i) {
+                    *slot = v.clone();
+                }
+            }
+            key
+        });
+        let mut row = self.template.clone();
+        for (slot, &i) in row.values_mut().zip(&self.order) {
+            if let Some(v) = values.get_mut(i) {
+                *slot = std::mem::take(v);
+            }
+        }
+        (row, key)
+    }
+}
+
+/// An emptied vector of fields, its allocation kept for fields of another lifetime.
+fn recycle<'b>(mut fields: Vec<Option<Cow<'_, str>>>) -> Vec<Option<Cow<'b, str>>> {
+    fields.clear();
+    // Same size and alignment: collected in place, without allocating.
+    fields.into_iter().map(|_| None).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The row and key as built before [`RowShape`]: pairs collected into a map (the last of
+    /// equal names wins), the key taken from the row.
+    fn by_pairs(columns: &[String], types: &[u32], key: &[String], values: &[Value]) -> (Row, Row) {
+        let row: Row = columns
+            .iter()
+            .zip(types)
+            .zip(values)
+            .map(|((c, _), v)| (c.clone(), v.clone()))
+            .collect();
+        let key = key
+            .iter()
+            .filter_map(|c| row.get(c).map(|v| (c.clone(), v.clone())))
+            .collect();
+        (row, key)
+    }
+
+    #[test]
+    fn shaped_rows_match_rows_built_from_pairs() {
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let cases: Vec<(Vec<String>, Vec<u32>, Vec<String>)> = vec![
+            (
+                names(&["id", "name", "qty"]),
+                vec![23, 25, 23],
+                names(&["id"]),
+            ),
+            (
+                names(&["z", "a", "m", "b"]),
+                vec![25; 4],
+                names(&["m", "a"]),
+            ),
+            // Equal names: the last one's value.
+            (names(&["a", "b", "a"]), vec![25; 3], names(&["a"])),
+            // Fewer types than names: the extra columns are left out.
+            (names(&["a", "b", "c"]), vec![25; 2], names(&["c", "a"])),
+            // No key, a key column that is not a column, a repeated key column.
+            (names(&["a", "b"]), vec![25; 2], names(&[])),
+            (names(&["a", "b"]), vec![25; 2], names(&["x", "b", "b"])),
+        ];
+        for (columns, types, key) in cases {
+            let values: Vec<Value> = (0..columns.len()).map(|i| Value::from(i as u64)).collect();
+            let shape = RowShape::new(&columns, &types, &key);
+            let mut converted: Vec<Value> =
+                values.iter().take(shape.types.len()).cloned().collect();
+            let (row, shaped_key) = shape.rows(&mut converted);
+            let (want_row, want_key) = by_pairs(&columns, &types, &key, &values);
+            assert_eq!(row, want_row, "{columns:?} {types:?}");
+            assert_eq!(
+                shaped_key.unwrap_or_default(),
+                want_key,
+                "{columns:?} {key:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn recycled_fields_keep_their_room() {
+        let line = String::from("a");
+        let mut fields: Vec<Option<Cow<'_, str>>> = Vec::with_capacity(8);
+        fields.push(Some(Cow::Borrowed(&line)));
+        let fields: Vec<Option<Cow<'static, str>>> = recycle(fields);
+        assert!(fields.is_empty());
+        assert!(fields.capacity() >= 8);
+    }
 }

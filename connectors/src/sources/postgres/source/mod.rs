@@ -42,6 +42,8 @@ use crate::{ReadMode, Source, SourceContext, SourceError, SourceItem};
 mod events;
 mod reader;
 
+/// The connector name in every event's source block.
+const CONNECTOR: &str = "postgresql";
 /// Changes per chunk handed to the runtime: a huge transaction flows in pieces (memory stays
 /// bounded); small transactions go as soon as they commit.
 const CHUNK_EVENTS: usize = 2_048;
@@ -368,6 +370,8 @@ impl Source for PostgresSource {
             replication_config: cfg,
             partition: self.partition.clone(),
             db: pg.get_dbname().map(Arc::from),
+            connector: Arc::from(CONNECTOR),
+            row_values: Vec::new(),
             rows_prefix: snapshot::message_prefix(&self.slot),
             max_retained_wal: self.config.max_retained_wal_mb.saturating_mul(1 << 20),
             relations: HashMap::new(),
@@ -557,6 +561,11 @@ struct Reader {
     replication_config: ReplicationConfig,
     partition: Arc<str>,
     db: Option<Arc<str>>,
+    /// The connector name every event carries (`postgresql`), shared rather than allocated per
+    /// event.
+    connector: Arc<str>,
+    /// Converted values of the row being built, kept between rows.
+    row_values: Vec<Value>,
     /// Prefix of this slot's snapshot/backfill chunk messages.
     rows_prefix: String,
     /// Retained WAL (bytes) above which a warning is logged.

@@ -345,7 +345,10 @@ impl Reader {
         if self.chunk.is_empty() {
             return Ok(());
         }
-        let chunk = std::mem::take(&mut self.chunk);
+        // The next chunk starts with room for as many items as this one (a snapshot's chunks
+        // are all full): no regrowing of a vector of large items.
+        let capacity = self.chunk.len().min(CHUNK_EVENTS);
+        let chunk = std::mem::replace(&mut self.chunk, Vec::with_capacity(capacity));
         self.last_sent = chunk.last().map(|item| match &item.record {
             Ok(record) => record.position().offset,
             Err(e) => e.position.offset,
