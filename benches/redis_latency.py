@@ -20,8 +20,10 @@ pg_url, rhost, rport, rdb = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.
 seconds, rate, writers = float(sys.argv[5]), float(sys.argv[6]), int(sys.argv[7])
 total = int(seconds * rate)
 key = "product:{}:v3".format
-# `+1733150000.123456 [9 127.0.0.1:40000] "UNLINK" "product:42:v3"`
-LINE = re.compile(rb'^\+(\d+\.\d+) \[(\d+) [^\]]*\] "(?i:unlink|del)" "([^"]*)"')
+# `+1733150000.123456 [9 127.0.0.1:40000] "UNLINK" "product:42:v3" "product:sku:…"` (refract
+# puts up to `keys_per_command` keys in one UNLINK: every key counts)
+LINE = re.compile(rb'^\+(\d+\.\d+) \[(\d+) [^\]]*\] "(?i:unlink|del)" (.*)$')
+ARG = re.compile(rb'"((?:[^"\\]|\\.)*)"')
 
 
 def monitor(db, ready, stop, out):
@@ -49,7 +51,9 @@ def monitor(db, ready, stop, out):
         for line in lines:
             m = LINE.match(line)
             if m and m.group(2) == dbs:
-                seen.setdefault(m.group(3).decode(), float(m.group(1)))
+                at = float(m.group(1))
+                for k in ARG.findall(m.group(3)):
+                    seen.setdefault(k.decode(), at)
     out.send(seen)
 
 

@@ -13,11 +13,14 @@
 # Usage: benches/redis_sink.sh [EVENTS]   (default 1000000; PIPELINE_DEPTH (default 100),
 #        PRODUCT_IDS (default 1000000), REDIS_URL (default redis://127.0.0.1:6379), REDIS_DB
 #        (default 9, flushed), REDIS_COMMAND (unlink or del, default unlink; the baseline sends DEL),
+#        KEYS_PER_COMMAND (refract's keys per UNLINK, default 100; 1 sends one key per command
+#        like the baseline),
 #        BENCH_DIR (keeps the generated file for another run))
 set -euo pipefail
 cd "$(dirname "$0")/.."
 events=${1:-1000000}
 depth=${PIPELINE_DEPTH:-100}
+keys_per_command=${KEYS_PER_COMMAND:-100}
 ids=${PRODUCT_IDS:-1000000}
 redis_url=${REDIS_URL:-redis://127.0.0.1:6379}
 db=${REDIS_DB:-9}
@@ -57,8 +60,8 @@ sinks = ["$1"]
 keys = ["product:{id}:v3", "product:sku:{sku}:v3"]
 TOML
     if [ "$1" = redis ]; then
-        printf '[sinks.redis]\nkind = "redis"\nurl = "%s"\ncommand = "%s"\npipeline_depth = %s\n' \
-            "${redis_url%/}/$db" "$command" "$depth"
+        printf '[sinks.redis]\nkind = "redis"\nurl = "%s"\ncommand = "%s"\npipeline_depth = %s\nkeys_per_command = %s\n' \
+            "${redis_url%/}/$db" "$command" "$depth" "$keys_per_command"
     else
         printf '[sinks.null]\nkind = "null"\n'
     fi
@@ -92,7 +95,7 @@ run_baseline() {
     python3 -c 'import csv, sys; print(next(csv.DictReader(open(sys.argv[1])))["rps"])' "$work/baseline.csv" >> "$work/baseline.rps"
 }
 
-echo "file: $events product updates over $ids ids, $(( $(stat -c %s "$log") / 1048576 )) MiB; pipeline_depth $depth; refract sends ${command^^}"
+echo "file: $events product updates over $ids ids, $(( $(stat -c %s "$log") / 1048576 )) MiB; pipeline_depth $depth; refract sends ${command^^} with up to $keys_per_command keys per command"
 # Two rounds with the order swapped, so neither side profits from running second.
 for round in 1 2; do
     if [ "$round" = 1 ]; then
@@ -114,7 +117,7 @@ assert len(set(deleted)) == 1, f"the two runs deleted different counts: {deleted
 deleted = deleted[0]
 secs, null_secs, rps = min(read("redis.secs")), min(read("null.secs")), max(read("baseline.rps"))
 d = deleted / secs
-print(f"\n{events} events -> {deleted:,.0f} {command}s (best of 2 rounds, {os.cpu_count()} cores)")
+print(f"\n{events} events -> {deleted:,.0f} keys deleted by {command} (best of 2 rounds, {os.cpu_count()} cores)")
 print(f"deletes/s: refract {d:,.0f} ({secs:.2f}s) / redis-benchmark -c 1 -P {depth} DEL {rps:,.0f} = {d / rps:.2f}x")
 print(f"refract events/s: {events / secs:,.0f}")
 print(f"refract peak RSS: {max(read('redis.rss')) / 1024:.1f} MiB")
