@@ -684,3 +684,58 @@ fn tls_and_an_acl_user_from_the_environment() {
         "tls: rediss:// with a private CA and an ACL user from REDIS_USERNAME/REDIS_PASSWORD: keys of changed products deleted, plan shows no password"
     );
 }
+
+#[test]
+fn old_values_the_replica_identity_does_not_send_are_reported() {
+    let t = "cache_identity";
+    let _cleanup = Cleanup::new(t, &[t]);
+    fresh_products(t, 5);
+    common::pg::psql(&format!("ALTER TABLE {t} REPLICA IDENTITY DEFAULT"));
+    let redis = RedisServer::start(false);
+    let dir = tempfile::tempdir().unwrap();
+    let pipeline = cache_pipeline(dir.path(), t, &redis.url(), "", "");
+    let plan = |pipeline: &std::path::Path| {
+        let out = refract().arg("plan").arg(pipeline).output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let text = plan(&pipeline);
+    assert!(
+        text.contains("needs (sku) from the old row") && text.contains("REPLICA IDENTITY FULL"),
+        "{text}"
+    );
+    // Run anyway: the sku change deletes what can be built and dead-letters the rest.
+    catch_up(&pipeline);
+    let mut conn = redis.connection();
+    for key in [
+        format!("{t}:1"),
+        format!("{t}:sku:sku-1"),
+        format!("{t}:sku:sku-1-new"),
+    ] {
+        redis::cmd("SET")
+            .arg(&key)
+            .arg("cached")
+            .exec(&mut conn)
+            .unwrap();
+    }
+    common::pg::psql(&format!("UPDATE {t} SET sku = 'sku-1-new' WHERE id = 1"));
+    let summary = catch_up(&pipeline);
+    assert_eq!(summary["dead_letters"], 1, "{summary}");
+    assert!(!exists(&mut conn, &format!("{t}:1")));
+    assert!(!exists(&mut conn, &format!("{t}:sku:sku-1-new")));
+    assert!(
+        exists(&mut conn, &format!("{t}:sku:sku-1")),
+        "the old sku is unknown without the old row"
+    );
+    let letters =
+        std::fs::read_to_string(dir.path().join(format!("state/{t}/dead-letters.ndjson"))).unwrap();
+    assert!(
+        letters.contains("old cache keys unknown") && letters.contains("REPLICA IDENTITY FULL"),
+        "{letters}"
+    );
+    common::pg::psql(&format!("ALTER TABLE {t} REPLICA IDENTITY FULL"));
+    assert!(
+        !plan(&pipeline).contains("from the old row"),
+        "FULL sends every column"
+    );
+}

@@ -22,15 +22,16 @@
 //! `fallback_file` (demos): when Redis does not answer at start, the commands are written to that
 //! file instead, one `redis-cli` line each, and the run's summary says so.
 
+mod command;
+mod connection;
+
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::io::Write as _;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, ErrorKind, IntoConnectionInfo, RedisError, RetryMethod};
+use redis::{IntoConnectionInfo, RedisError};
 use refract_projections::WriteOp;
 use refract_schemas::config::{RedisDeleteCommand, RedisSinkConfig, mask_url};
 use tokio::sync::mpsc;
@@ -38,18 +39,11 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::{Sink, SinkBatch, SinkError, WriteReport};
+use command::{Command, glob_escape, quote, redis_key};
+use connection::{Connector, error, second_deletes, truncate};
 
-/// How long connecting may take before the attempt counts as failed (and is retried).
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long a pipeline may wait for its replies: a Redis that hangs fails the batch, which is
-/// retried, instead of stalling the pipeline silently.
-const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Batches of second deletes waiting for their delay; a full queue slows the first deletes down.
 const SECOND_DELETE_QUEUE: usize = 1024;
-/// Retry delay of a failing second delete.
-const SECOND_DELETE_RETRY: Duration = Duration::from_millis(200);
-/// Keys per `SCAN` step of a truncate.
-const SCAN_COUNT: usize = 1000;
 
 /// Prefix of a tombstone value; the application's versioned SET recognizes it (see the README).
 pub const TOMBSTONE_PREFIX: &str = "refract-tombstone:";
@@ -85,41 +79,6 @@ enum Target {
         file: std::io::BufWriter<std::fs::File>,
         commands: u64,
     },
-}
-
-/// Connects to Redis on demand and forgets a connection that failed.
-#[derive(Clone)]
-struct Connector {
-    client: redis::Client,
-    conn: Option<MultiplexedConnection>,
-}
-
-impl Connector {
-    /// The current connection, or a new one.
-    async fn get(&mut self) -> Result<MultiplexedConnection, RedisError> {
-        if let Some(conn) = &self.conn {
-            return Ok(conn.clone());
-        }
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(CONNECT_TIMEOUT))
-            .set_response_timeout(Some(RESPONSE_TIMEOUT));
-        let conn = self
-            .client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await?;
-        self.conn = Some(conn.clone());
-        Ok(conn)
-    }
-
-    /// Runs `pipe`; a failure drops the connection so the next attempt reconnects.
-    async fn run(&mut self, pipe: &redis::Pipeline) -> Result<(), RedisError> {
-        let mut conn = self.get().await?;
-        let result = pipe.query_async::<()>(&mut conn).await;
-        if result.is_err() {
-            self.conn = None;
-        }
-        result
-    }
 }
 
 /// The delayed second deletes: a queue of (due time, keys) and the task that runs them.
@@ -354,158 +313,6 @@ impl RedisSink {
             rest = &rest[n..];
         }
         Ok(())
-    }
-}
-
-/// Deletes every key matching `pattern`, `SCAN` step by step.
-async fn truncate(
-    connector: &mut Connector,
-    pattern: &str,
-    delete: &'static str,
-) -> Result<(), RedisError> {
-    let mut conn = connector.get().await?;
-    let mut cursor: u64 = 0;
-    let result = async {
-        loop {
-            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(pattern)
-                .arg("COUNT")
-                .arg(SCAN_COUNT)
-                .query_async(&mut conn)
-                .await?;
-            if !keys.is_empty() {
-                redis::cmd(delete)
-                    .arg(&keys)
-                    .query_async::<()>(&mut conn)
-                    .await?;
-            }
-            if next == 0 {
-                return Ok(());
-            }
-            cursor = next;
-        }
-    }
-    .await;
-    if result.is_err() {
-        connector.conn = None;
-    }
-    result
-}
-
-/// What one operation comes to in Redis.
-enum Command<'a> {
-    /// Delete the key (`UNLINK` or `DEL`).
-    Delete(Cow<'a, str>),
-    /// Store a document as JSON.
-    Set(Cow<'a, str>, String),
-    /// Replace the key by a tombstone of this version (unless a newer one is there).
-    Tombstone(Cow<'a, str>, i64),
-    /// Delete every key matching this `SCAN` pattern.
-    Truncate(String),
-}
-
-/// The Redis key an operation addresses: invalidations carry absolute keys, documents live at
-/// `{collection}:{key}`.
-fn redis_key(op: &WriteOp) -> Option<Cow<'_, str>> {
-    match op {
-        WriteOp::Invalidate { key, .. } => Some(Cow::Borrowed(key)),
-        WriteOp::Upsert {
-            collection, key, ..
-        }
-        | WriteOp::Delete {
-            collection, key, ..
-        } => Some(Cow::Owned(format!("{collection}:{key}"))),
-        WriteOp::Truncate { .. } => None,
-    }
-}
-
-/// Escapes `SCAN MATCH` glob characters.
-fn glob_escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
-/// `s` double-quoted for `redis-cli`, with escapes.
-fn quote(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if c.is_control() => {
-                let _ = write!(out, "\\x{:02x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
-/// A Redis failure as a sink error: transient unless retrying cannot help (a bad command, wrong
-/// credentials).
-fn error(sink: &str, url: &str, what: &str, e: RedisError) -> SinkError {
-    let message = format!("{what} ({}): {e}", mask_url(url));
-    // A certificate the client refuses cannot be fixed by retrying. The connector reports it
-    // as an IO error carrying only rustls' message, so the message is what there is to match.
-    let refused_tls = e.is_io_error() && e.to_string().contains("invalid peer certificate");
-    let permanent = matches!(e.retry_method(), RetryMethod::NoRetry)
-        || e.kind() == ErrorKind::AuthenticationFailed
-        || refused_tls;
-    if permanent {
-        SinkError::Permanent {
-            sink: sink.to_owned(),
-            message,
-            source: Some(Box::new(e)),
-        }
-    } else {
-        SinkError::Transient {
-            sink: sink.to_owned(),
-            message,
-            source: Some(Box::new(e)),
-        }
-    }
-}
-
-/// Runs the second deletes as they fall due, retrying each until Redis takes it; stops when the
-/// queue closes and is empty.
-async fn second_deletes(
-    sink: String,
-    command: &'static str,
-    depth: usize,
-    mut connector: Connector,
-    mut queue: mpsc::Receiver<(Instant, Vec<String>)>,
-) {
-    let counter = metrics::counter!("refract_redis_second_deletes_total", "sink" => sink.clone());
-    while let Some((due, keys)) = queue.recv().await {
-        tokio::time::sleep_until(due).await;
-        for chunk in keys.chunks(depth) {
-            let mut pipe = redis::pipe();
-            for key in chunk {
-                pipe.cmd(command).arg(key).ignore();
-            }
-            let mut failures = 0u32;
-            while let Err(e) = connector.run(&pipe).await {
-                failures += 1;
-                if failures == 1 || failures % 50 == 0 {
-                    tracing::warn!(sink = %sink, error = %e, failures, "second delete failed, retrying");
-                }
-                tokio::time::sleep(SECOND_DELETE_RETRY).await;
-            }
-            counter.increment(chunk.len() as u64);
-        }
     }
 }
 
