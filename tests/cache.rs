@@ -170,14 +170,7 @@ fn redis_down_for_30_seconds_holds_the_slot_and_loses_no_delete() {
     let _cleanup = Cleanup::new(t, &[t]);
     fresh_products(t, products as u32);
     let mut redis = RedisServer::start(true);
-    let mut conn = redis.connection();
-    for id in 1..=products {
-        redis::cmd("SET")
-            .arg(format!("{t}:{id}"))
-            .arg("cached")
-            .exec(&mut conn)
-            .unwrap();
-    }
+    redis.fill((1..=products).map(|id| format!("{t}:{id}")));
     let dir = tempfile::tempdir().unwrap();
     let pipeline = cache_pipeline(dir.path(), t, &redis.url(), "unhealthy_after_ms = 5000", "");
     catch_up(&pipeline);
@@ -360,13 +353,7 @@ fn sigkill_at_random_moments_leaves_no_key_of_a_committed_change() {
     fresh_products(t, products as u32);
     let redis = RedisServer::start(false);
     let mut conn = redis.connection();
-    for id in products - controls + 1..=products {
-        redis::cmd("SET")
-            .arg(format!("{t}:{id}"))
-            .arg("cached")
-            .exec(&mut conn)
-            .unwrap();
-    }
+    redis.fill((products - controls + 1..=products).map(|id| format!("{t}:{id}")));
     let dir = tempfile::tempdir().unwrap();
     let pipeline = cache_pipeline(dir.path(), t, &redis.url(), "", "");
     catch_up(&pipeline);
@@ -707,17 +694,11 @@ fn old_values_the_replica_identity_does_not_send_are_reported() {
     // Run anyway: the sku change deletes what can be built and dead-letters the rest.
     catch_up(&pipeline);
     let mut conn = redis.connection();
-    for key in [
+    redis.fill([
         format!("{t}:1"),
         format!("{t}:sku:sku-1"),
         format!("{t}:sku:sku-1-new"),
-    ] {
-        redis::cmd("SET")
-            .arg(&key)
-            .arg("cached")
-            .exec(&mut conn)
-            .unwrap();
-    }
+    ]);
     common::pg::psql(&format!("UPDATE {t} SET sku = 'sku-1-new' WHERE id = 1"));
     let summary = catch_up(&pipeline);
     assert_eq!(summary["dead_letters"], 1, "{summary}");

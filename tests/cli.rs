@@ -175,25 +175,32 @@ fn unreachable_redis() -> String {
     format!("redis://127.0.0.1:{port}")
 }
 
-#[test]
-fn the_demo_runs_to_completion_without_services() {
-    let dir = tempfile::tempdir().unwrap();
-    let out_dir = dir.path().join("out");
+/// Runs the demo into `dir` (state and output) against the Redis at `redis_url`, asserting
+/// success; returns its stdout.
+fn run_demo(dir: &Path, redis_url: &str) -> String {
+    let out_dir = dir.join("out");
     let run = output(
         refract()
             .args(["run", "pipelines/demo.toml"])
             .current_dir(WORKSPACE)
-            .env("STATE_DIR", dir.path().join("state"))
+            .env("STATE_DIR", dir.join("state"))
             .env("DEMO_OUT", &out_dir)
-            .env("REDIS_URL", unreachable_redis())
+            .env("REDIS_URL", redis_url)
             .env("OBJECT_STORE_URL", format!("file://{}", out_dir.display())),
     );
-    let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(
         run.status.success(),
         "{}",
         String::from_utf8_lossy(&run.stderr)
     );
+    String::from_utf8_lossy(&run.stdout).into_owned()
+}
+
+#[test]
+fn the_demo_runs_to_completion_without_services() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("out");
+    let stdout = run_demo(dir.path(), &unreachable_redis());
     assert!(stdout.contains("dead letters   0"), "{stdout}");
     assert!(stdout.contains("records read   4255"), "{stdout}");
     let docs = read_output(&out_dir);
@@ -268,21 +275,7 @@ fn the_demo_invalidates_product_keys_in_a_redis_that_answers() {
             .exec(&mut redis)
             .unwrap();
     }
-    let run = output(
-        refract()
-            .args(["run", "pipelines/demo.toml"])
-            .current_dir(WORKSPACE)
-            .env("STATE_DIR", dir.path().join("state"))
-            .env("DEMO_OUT", &out_dir)
-            .env("REDIS_URL", &redis_url)
-            .env("OBJECT_STORE_URL", format!("file://{}", out_dir.display())),
-    );
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    let stdout = run_demo(dir.path(), &redis_url);
     assert!(!stdout.contains("NOTE"), "{stdout}");
     assert!(!out_dir.join("redis-commands.txt").exists());
     let left: Vec<&String> = keys

@@ -82,6 +82,18 @@ impl RedisServer {
     pub fn connection(&self) -> redis::Connection {
         self.client().get_connection().unwrap()
     }
+
+    /// Sets `key` to `"cached"` for every key, as a reader filling the cache would.
+    pub fn fill(&self, keys: impl IntoIterator<Item = String>) {
+        let mut conn = self.connection();
+        for key in keys {
+            redis::cmd("SET")
+                .arg(key)
+                .arg("cached")
+                .exec(&mut conn)
+                .unwrap();
+        }
+    }
 }
 
 impl Drop for RedisServer {
