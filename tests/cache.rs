@@ -173,6 +173,13 @@ fn redis_down_for_30_seconds_holds_the_slot_and_loses_no_delete() {
     redis.fill((1..=products).map(|id| format!("{t}:{id}")));
     let dir = tempfile::tempdir().unwrap();
     let pipeline = cache_pipeline(dir.path(), t, &redis.url(), "unhealthy_after_ms = 5000", "");
+    let status = free_addr();
+    let text = std::fs::read_to_string(&pipeline).unwrap().replacen(
+        "[pipeline.batch]",
+        &format!("metrics_addr = \"{status}\"\n\n[pipeline.batch]"),
+        1,
+    );
+    std::fs::write(&pipeline, text).unwrap();
     catch_up(&pipeline);
     let mut pg = pg_client();
     pg.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
@@ -238,6 +245,22 @@ fn redis_down_for_30_seconds_holds_the_slot_and_loses_no_delete() {
         samples.push(confirmed_flush(&mut pg, &format!("refract_{t}")));
         std::thread::sleep(Duration::from_millis(250));
     }
+    // The daemon reports itself unhealthy while a batch waits past its bound.
+    let (code, body) = http_get(&status, "/health");
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        body.contains("\"redis\"") && body.contains("has waited"),
+        "{body}"
+    );
+    let (_, metrics) = http_get(&status, "/metrics");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("refract_sink_healthy{")
+                && l.contains("sink=\"redis\"")
+                && l.ends_with(" 0")),
+        "{metrics}"
+    );
     let wal_while_down: i64 = pg
         .query_one("SELECT (pg_current_wal_lsn() - '0/0')::bigint", &[])
         .unwrap()
@@ -258,6 +281,11 @@ fn redis_down_for_30_seconds_holds_the_slot_and_loses_no_delete() {
         std::thread::sleep(Duration::from_millis(100));
     }
     let recovered_after = now() - restarted_at;
+    let (code, body) = http_get(&status, "/health");
+    assert_eq!(
+        code, 200,
+        "healthy again once the held deletes went out: {body}"
+    );
     daemon.terminate();
     let run = daemon.wait_with_output();
     let daemon_log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
@@ -331,7 +359,7 @@ fn redis_down_for_30_seconds_holds_the_slot_and_loses_no_delete() {
         "redis down {down_secs} s: {} transactions committed meanwhile; slot confirmed_flush_lsn \
          {} at the kill, at most {} while down ({} samples), first undelivered commit at {}, WAL at \
          {} when Redis came back, confirmed {} after catch-up; {} changed products, 0 keys left, \
-         {untouched} untouched keys kept; 'pipeline unhealthy' logged; keys gone {recovered_after:.1} s \
+         {untouched} untouched keys kept; 'pipeline unhealthy' logged and /health 503 while down, 200 after; keys gone {recovered_after:.1} s \
          after Redis came back",
         during.len(),
         lsn(confirmed_at_kill),

@@ -9,6 +9,9 @@ use refract_connectors::dead_letter::{DeadLetter, DeadLetterStore};
 use refract_connectors::{Sink, SinkBatch, SinkError, WriteReport};
 use tokio::sync::{mpsc, watch};
 
+use super::status::Health;
+use std::sync::Arc;
+
 /// First retry delay: long enough not to hammer a target that just failed.
 const RETRY_MIN_DELAY: Duration = Duration::from_millis(100);
 /// Retry delay ceiling: a target back from an outage is noticed within this time (jitter adds
@@ -100,6 +103,7 @@ async fn retrying(
     target: &mut Target,
     attempt: Attempt<'_>,
     shutdown: &mut watch::Receiver<bool>,
+    health: &Health,
 ) -> Result<WriteReport, (SinkError, bool)> {
     let name = target.name();
     let what = match attempt {
@@ -130,6 +134,9 @@ async fn retrying(
                 if unhealthy || failures == 0 {
                     healthy.set(1.0);
                 }
+                if unhealthy {
+                    health.set(&name, None);
+                }
                 return Ok(v);
             }
             Err(e) if e.is_retryable() => {
@@ -137,6 +144,13 @@ async fn retrying(
                 if !unhealthy && first_failure.elapsed() >= unhealthy_after {
                     unhealthy = true;
                     healthy.set(0.0);
+                    health.set(
+                        &name,
+                        Some(format!(
+                            "a batch has waited {} ms: {e}",
+                            first_failure.elapsed().as_millis()
+                        )),
+                    );
                     tracing::error!(sink = %name, waited_ms = first_failure.elapsed().as_millis() as u64, error = %e, "pipeline unhealthy: a batch has waited longer than the sink's bound; still retrying, the checkpoint holds");
                 }
                 let delay = backoff.next().unwrap_or(RETRY_MAX_DELAY);
@@ -158,16 +172,17 @@ pub(crate) async fn run(
     mut jobs: mpsc::Receiver<Job>,
     acks: mpsc::UnboundedSender<Ack>,
     mut shutdown: watch::Receiver<bool>,
+    health: Arc<Health>,
 ) {
     let name = target.name();
     let fail = |error, shutdown| Ack::Failed { error, shutdown };
-    if let Err((error, stop)) = retrying(&mut target, Attempt::Open, &mut shutdown).await {
+    if let Err((error, stop)) = retrying(&mut target, Attempt::Open, &mut shutdown, &health).await {
         let _ = acks.send(fail(error, stop));
         return;
     }
     while let Some(job) = jobs.recv().await {
         let seq = job.seq();
-        match retrying(&mut target, Attempt::Deliver(&job), &mut shutdown).await {
+        match retrying(&mut target, Attempt::Deliver(&job), &mut shutdown, &health).await {
             Ok(report) => {
                 if acks
                     .send(Ack::Done {

@@ -19,6 +19,7 @@
 //! stops the source, drains, flushes, checkpoints and returns normally.
 
 mod delivery;
+mod status;
 mod summary;
 
 use std::collections::{BTreeMap, VecDeque};
@@ -99,22 +100,6 @@ pub struct RunOptions {
     pub progress_bar: bool,
 }
 
-/// Serves Prometheus metrics at `addr` (validated) for the rest of the process. A second
-/// install in one process (tests) or a port in use is logged, not fatal: metrics are advisory.
-fn install_metrics(addr: &str, pipeline: &str) {
-    let Ok(addr) = addr.parse::<std::net::SocketAddr>() else {
-        return;
-    };
-    match metrics_exporter_prometheus::PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .add_global_label("pipeline", pipeline)
-        .install()
-    {
-        Ok(()) => tracing::info!(%addr, "serving Prometheus metrics at /metrics"),
-        Err(e) => tracing::warn!(%addr, error = %e, "cannot serve metrics"),
-    }
-}
-
 /// The wall clock in milliseconds since the epoch (handed to projections, stamped on dead letters).
 pub(crate) fn now_ms() -> i64 {
     std::time::SystemTime::now()
@@ -188,8 +173,9 @@ pub async fn run(
         source,
     })?;
     let store = CheckpointStore::open(&state.join("checkpoint.redb"))?;
+    let health = Arc::new(status::Health::default());
     if let Some(addr) = &config.pipeline.metrics_addr {
-        install_metrics(addr, &config.pipeline.name);
+        status::serve(addr, &config.pipeline.name, health.clone()).await;
     }
     let resumed = store.load()?;
     if !resumed.is_empty() {
@@ -265,6 +251,7 @@ pub async fn run(
             rx,
             ack_tx.clone(),
             stop_tasks.subscribe(),
+            health.clone(),
         ));
         // A task that panics (a bug in a sink or a library it uses) fails the run loudly
         // instead of leaving the processor waiting for its acknowledgements.
