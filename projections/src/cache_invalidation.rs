@@ -140,6 +140,9 @@ impl Projection for CacheInvalidationProjection {
         let Some(rule) = self.rule(&event.table) else {
             return Ok(());
         };
+        // Without a usable version the keys are still deleted (plainly: a tombstone needs a
+        // version), and the event is reported afterwards.
+        let mut version_problem = None;
         let version = match (event.op, event.after.as_deref()) {
             (Op::Delete, _) if rule.version_column.is_some() => Some(DELETED_VERSION),
             (Op::Truncate, _) => {
@@ -149,7 +152,10 @@ impl Projection for CacheInvalidationProjection {
                     event.table
                 )));
             }
-            (_, Some(after)) => rule.version(after)?,
+            (_, Some(after)) => rule.version(after).unwrap_or_else(|e| {
+                version_problem = Some(e);
+                None
+            }),
             (_, None) => None,
         };
         if event.op == Op::Delete && event.before.is_none() {
@@ -217,6 +223,9 @@ impl Projection for CacheInvalidationProjection {
                 "no key could be built from the new row (templates {}): a key column is null",
                 needed.join(", ")
             )));
+        }
+        if let Some(problem) = version_problem {
+            return Err(problem);
         }
         if unknown.is_empty() {
             Ok(())

@@ -44,6 +44,8 @@ use connection::{Connector, error, second_deletes, truncate};
 
 /// Batches of second deletes waiting for their delay; a full queue slows the first deletes down.
 const SECOND_DELETE_QUEUE: usize = 1024;
+/// How long shutdown waits past `second_delete_ms` for the last second deletes.
+const SECOND_DELETE_GRACE: Duration = Duration::from_secs(5);
 
 /// Prefix of a tombstone value; the application's versioned SET recognizes it (see the README).
 pub const TOMBSTONE_PREFIX: &str = "refract-tombstone:";
@@ -390,10 +392,15 @@ impl Sink for RedisSink {
     }
 
     async fn close(&mut self) -> Result<(), SinkError> {
-        if let Some(SecondDeletes { queue, task }) = self.second.take() {
+        if let Some(SecondDeletes { queue, mut task }) = self.second.take() {
             drop(queue);
-            // Pending second deletes are due within `second_delete_ms`: wait for them.
-            let _ = task.await;
+            // Pending second deletes are due within `second_delete_ms`: wait for them, but not
+            // forever when Redis stopped answering (shutdown must not hang on a best effort).
+            let wait = Duration::from_millis(self.config.second_delete_ms) + SECOND_DELETE_GRACE;
+            if tokio::time::timeout(wait, &mut task).await.is_err() {
+                task.abort();
+                tracing::warn!(sink = %self.name, "Redis does not answer: second deletes still pending at shutdown were dropped");
+            }
         }
         if let Some(Target::File { file, .. }) = &mut self.target {
             let _ = file.flush();

@@ -167,11 +167,16 @@ fn versions_come_from_the_version_column() {
         json!({"before": {"id": 1, "sku": "A", "tenant_id": null, "updated_at": 5}, "after": null, "op": "d", "source": src}),
     );
     assert_eq!(keys[0], format!("product:1:v3@{DELETED_VERSION}"));
-    let (_, err) = run(
+    let (keys, err) = run(
         &mut p,
         json!({"after": {"id": 1, "sku": "A", "tenant_id": null, "updated_at": {"x": 1}}, "op": "c", "source": src}),
     );
     assert!(err.unwrap().contains("neither an integer nor a timestamp"));
+    assert_eq!(
+        keys,
+        vec!["product:1:v3", "product:sku:A:v3", "list:1"],
+        "without a version the keys are still invalidated, plainly"
+    );
 }
 
 #[test]
