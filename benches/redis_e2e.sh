@@ -15,6 +15,7 @@
 #        100); REDIS_URL (default redis://127.0.0.1:6379); REDIS_DB (default 9, flushed))
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. benches/common.sh
 updates=${1:-1000000}
 url=${PG_URL:-postgres://postgres@127.0.0.1:5432/refract}
 rows=${PRODUCT_ROWS:-100000}
@@ -49,19 +50,7 @@ cleanup; mkdir -p "$work"
 
 # --- The table, refract's slot and publication, pg_recvlogical's slot ---------------------------
 sqla "CREATE DATABASE $bench_db"
-sql "CREATE TABLE products (
-         id          bigint PRIMARY KEY,
-         tenant_id   text   NOT NULL,
-         sku         text   NOT NULL UNIQUE,
-         name        text   NOT NULL,
-         price_cents bigint NOT NULL,
-         updated_at  timestamptz NOT NULL DEFAULT now()
-     );
-     ALTER TABLE products REPLICA IDENTITY FULL;
-     INSERT INTO products (id, tenant_id, sku, name, price_cents)
-         SELECT g, 't' || (g % 100), 'SKU-' || lpad(g::text, 8, '0'), 'product ' || g, 1000 + g % 9000
-         FROM generate_series(1, $rows) g;"
-sql "VACUUM ANALYZE products"
+create_products "$rows"
 cat > "$work/cache.toml" <<TOML
 [pipeline]
 name = "bench_cache"

@@ -18,6 +18,7 @@
 #        (default 9, flushed))
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. benches/common.sh
 seconds=${1:-30}
 rate=${RATE:-2000}
 writers=${WRITERS:-8}
@@ -51,19 +52,7 @@ trap cleanup EXIT
 cleanup; mkdir -p "$work"
 
 sqla "CREATE DATABASE $bench_db"
-sql "CREATE TABLE products (
-         id          bigint PRIMARY KEY,
-         tenant_id   text   NOT NULL,
-         sku         text   NOT NULL UNIQUE,
-         name        text   NOT NULL,
-         price_cents bigint NOT NULL,
-         updated_at  timestamptz NOT NULL DEFAULT now()
-     );
-     ALTER TABLE products REPLICA IDENTITY FULL;
-     INSERT INTO products (id, tenant_id, sku, name, price_cents)
-         SELECT g, 't' || (g % 100), 'SKU-' || lpad(g::text, 8, '0'), 'product ' || g, 1000 + g % 9000
-         FROM generate_series(1, $rows) g;"
-sql "VACUUM ANALYZE products"
+create_products "$rows"
 {
     cat <<TOML
 [pipeline]
