@@ -17,3 +17,25 @@ create_products() {
              FROM generate_series(1, $1) g;"
     sql "VACUUM ANALYZE products"
 }
+
+# products_cache_sections: the source, projection and sink sections of the products -> Redis
+# pipelines, from the caller's $bench_url, $redis_url, $db and $depth.
+products_cache_sections() {
+    cat <<TOML
+[source]
+kind = "postgres"
+url = "$bench_url"
+tables = ["public.products"]
+snapshot = "never"
+[projections.cache]
+kind = "cache_invalidation"
+sinks = ["redis"]
+[projections.cache.tables."public.products"]
+keys = ["product:{id}:v3", "product:sku:{sku}:v3"]
+[sinks.redis]
+kind = "redis"
+url = "${redis_url%/}/$db"
+command = "unlink"
+pipeline_depth = $depth
+TOML
+}

@@ -51,26 +51,14 @@ cleanup; mkdir -p "$work"
 # --- The table, refract's slot and publication, pg_recvlogical's slot ---------------------------
 sqla "CREATE DATABASE $bench_db"
 create_products "$rows"
-cat > "$work/cache.toml" <<TOML
+{
+    cat <<TOML
 [pipeline]
 name = "bench_cache"
 state_dir = "$work/state"
-[source]
-kind = "postgres"
-url = "$bench_url"
-tables = ["public.products"]
-snapshot = "never"
-[projections.cache]
-kind = "cache_invalidation"
-sinks = ["redis"]
-[projections.cache.tables."public.products"]
-keys = ["product:{id}:v3", "product:sku:{sku}:v3"]
-[sinks.redis]
-kind = "redis"
-url = "${redis_url%/}/$db"
-command = "unlink"
-pipeline_depth = $depth
 TOML
+    products_cache_sections
+} > "$work/cache.toml"
 # A first run creates the slot refract_bench_cache and the publication refract_bench_cache.
 RUST_LOG=warn "$refract" run "$work/cache.toml" --until-caught-up >/dev/null
 sql "SELECT pg_create_logical_replication_slot('bench_cache_recv', 'pgoutput')" >/dev/null

@@ -60,23 +60,7 @@ name = "bench_cache_latency"
 state_dir = "$work/state"
 TOML
     [ "$max_delay" = default ] || printf '[pipeline.batch]\nmax_delay_ms = %s\n' "$max_delay"
-    cat <<TOML
-[source]
-kind = "postgres"
-url = "$bench_url"
-tables = ["public.products"]
-snapshot = "never"
-[projections.cache]
-kind = "cache_invalidation"
-sinks = ["redis"]
-[projections.cache.tables."public.products"]
-keys = ["product:{id}:v3", "product:sku:{sku}:v3"]
-[sinks.redis]
-kind = "redis"
-url = "${redis_url%/}/$db"
-command = "unlink"
-pipeline_depth = $depth
-TOML
+    products_cache_sections
 } > "$work/cache.toml"
 # A first run creates the slot and the publication; then the daemon streams.
 RUST_LOG=warn "$refract" run "$work/cache.toml" --until-caught-up >/dev/null

@@ -474,8 +474,13 @@ fn sigkill_at_random_moments_leaves_no_key_of_a_committed_change() {
     );
 }
 
-/// `redis-cli` over TLS against `port`, as the ACL user the test created.
-fn tls_cli(dir: &std::path::Path, port: u16, user: Option<(&str, &str)>, args: &[&str]) -> String {
+/// `redis-cli` over TLS against `port` (as `user` when given), run to its end.
+fn tls_cli_output(
+    dir: &std::path::Path,
+    port: u16,
+    user: Option<(&str, &str)>,
+    args: &[&str],
+) -> std::process::Output {
     let mut cmd = std::process::Command::new("redis-cli");
     cmd.args([
         "-h",
@@ -489,7 +494,12 @@ fn tls_cli(dir: &std::path::Path, port: u16, user: Option<(&str, &str)>, args: &
     if let Some((name, password)) = user {
         cmd.args(["--user", name, "--pass", password, "--no-auth-warning"]);
     }
-    let out = cmd.args(args).output().expect("redis-cli runs");
+    cmd.args(args).output().expect("redis-cli runs")
+}
+
+/// [`tls_cli_output`], asserting success; returns the reply.
+fn tls_cli(dir: &std::path::Path, port: u16, user: Option<(&str, &str)>, args: &[&str]) -> String {
+    let out = tls_cli_output(dir, port, user, args);
     assert!(out.status.success(), "redis-cli {args:?}: {out:?}");
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
@@ -561,11 +571,7 @@ fn tls_and_an_acl_user_from_the_environment() {
             .expect("openssl runs");
         assert!(out.status.success(), "openssl {args:?}: {out:?}");
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let mut server = Running::spawn(
         std::process::Command::new("redis-server")
             .args([
@@ -593,19 +599,8 @@ fn tls_and_an_acl_user_from_the_environment() {
             .stdout(std::process::Stdio::null()),
     );
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !std::process::Command::new("redis-cli")
-        .args([
-            "-h",
-            "127.0.0.1",
-            "-p",
-            &port.to_string(),
-            "--tls",
-            "--cacert",
-        ])
-        .arg(dir.path().join("ca.pem"))
-        .arg("PING")
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("PONG"))
+    while !String::from_utf8_lossy(&tls_cli_output(dir.path(), port, None, &["PING"]).stdout)
+        .contains("PONG")
     {
         assert!(
             Instant::now() < deadline,

@@ -167,12 +167,7 @@ fn the_committed_json_schema_matches_the_binary() {
 
 /// A `redis://` URL nothing answers at.
 fn unreachable_redis() -> String {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    format!("redis://127.0.0.1:{port}")
+    format!("redis://127.0.0.1:{}", common::cache::free_port())
 }
 
 /// Runs the demo into `dir` (state and output) against the Redis at `redis_url`, asserting

@@ -755,11 +755,7 @@ fn a_lost_replication_connection_is_re_established_without_loss() {
 fn retained_wal_over_the_limit_is_warned_and_exported_as_a_metric() {
     let name = "pg_walwarn";
     let (dir, out, _) = setup(name);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::cache::free_port();
     let pipeline = pipeline_file_with(dir.path(), name, &out, "max_retained_wal_mb = 0");
     let text = std::fs::read_to_string(&pipeline).unwrap().replacen(
         "[pipeline.batch]",
@@ -778,15 +774,10 @@ fn retained_wal_over_the_limit_is_warned_and_exported_as_a_metric() {
             .stdout(Stdio::null())
             .stderr(Stdio::piped()),
     );
-    let scrape = || -> String {
-        use std::io::{Read as _, Write as _};
-        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-            return String::new();
-        };
-        let _ = s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n");
-        let mut body = String::new();
-        let _ = s.read_to_string(&mut body);
-        body
+    let scrape = || {
+        common::cache::try_http_get(&format!("127.0.0.1:{port}"), "/metrics")
+            .map(|(_, body)| body)
+            .unwrap_or_default()
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let mut metrics = scrape();

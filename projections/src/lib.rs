@@ -111,3 +111,25 @@ pub fn build(config: &refract_schemas::config::ProjectionConfig) -> Box<dyn Proj
         }
     }
 }
+
+/// What the projections' unit tests share.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use refract_schemas::debezium::DebeziumDecoder;
+    use refract_schemas::{ChangeEvent, Offset, Position, Record};
+
+    /// The change event of one Debezium envelope.
+    pub(crate) fn event(line: serde_json::Value) -> ChangeEvent {
+        let pos = Position {
+            partition: "p".into(),
+            offset: Offset(1, 0),
+        };
+        match DebeziumDecoder::new()
+            .decode(line.to_string().as_bytes(), pos)
+            .unwrap()
+        {
+            Record::Change(e) => e,
+            r => panic!("{r:?}"),
+        }
+    }
+}

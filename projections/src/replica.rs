@@ -202,11 +202,10 @@ impl Projection for ReplicaProjection {
 mod tests {
     use std::collections::BTreeMap;
 
-    use refract_schemas::debezium::DebeziumDecoder;
-    use refract_schemas::{Offset, Position, Record};
     use serde_json::json;
 
     use super::*;
+    use crate::test_support::event;
 
     fn projection() -> ReplicaProjection {
         ReplicaProjection::new(ReplicaProjectionConfig {
@@ -219,20 +218,6 @@ mod tests {
             collection: "{schema}_{table}".into(),
             sinks: vec!["s".into()],
         })
-    }
-
-    fn event(line: serde_json::Value) -> ChangeEvent {
-        let pos = Position {
-            partition: "p".into(),
-            offset: Offset(1, 0),
-        };
-        match DebeziumDecoder::new()
-            .decode(line.to_string().as_bytes(), pos)
-            .unwrap()
-        {
-            Record::Change(e) => e,
-            r => panic!("{r:?}"),
-        }
     }
 
     /// Renders ops compactly: `U coll/key`, `D coll/key`, `T coll`.

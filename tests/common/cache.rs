@@ -22,11 +22,7 @@ impl RedisServer {
     /// write, so keys survive a kill and restart (the "Redis down" test needs the keys that
     /// were due for deletion still there when it comes back).
     pub fn start(persistent: bool) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_port();
         let mut server = RedisServer {
             port,
             dir: tempfile::tempdir().unwrap(),
@@ -287,17 +283,18 @@ pub fn lsn(v: u64) -> String {
     format!("{:X}/{:X}", v >> 32, v & 0xFFFF_FFFF)
 }
 
-/// `GET path` from the HTTP server at `addr`: (status code, body).
-pub fn http_get(addr: &str, path: &str) -> (u16, String) {
+/// `GET path` from the HTTP server at `addr`: (status code, body); `None` while nothing
+/// answers there.
+pub fn try_http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr).expect("the status endpoint answers");
+    let mut stream = std::net::TcpStream::connect(addr).ok()?;
     write!(
         stream,
         "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
     )
-    .unwrap();
+    .ok()?;
     let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
+    stream.read_to_string(&mut response).ok()?;
     let status = response
         .split(' ')
         .nth(1)
@@ -306,15 +303,24 @@ pub fn http_get(addr: &str, path: &str) -> (u16, String) {
     let body = response
         .split_once("\r\n\r\n")
         .map_or(String::new(), |(_, b)| b.to_owned());
-    (status, body)
+    Some((status, body))
+}
+
+/// [`try_http_get`] from a server that must be answering.
+pub fn http_get(addr: &str, path: &str) -> (u16, String) {
+    try_http_get(addr, path).unwrap_or_else(|| panic!("nothing answers at {addr}"))
+}
+
+/// A port nothing listens on (yet) on 127.0.0.1.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// A free port on 127.0.0.1 as `127.0.0.1:PORT`.
 pub fn free_addr() -> String {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    format!("127.0.0.1:{port}")
+    format!("127.0.0.1:{}", free_port())
 }

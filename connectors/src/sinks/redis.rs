@@ -369,24 +369,26 @@ impl Sink for RedisSink {
         let mut report = WriteReport::default();
         let commands = self.commands(&batch.ops, &mut report);
         self.send(&commands).await?;
-        let invalidated: Vec<String> = batch
+        let invalidated = batch
             .ops
             .iter()
-            .filter_map(|op| match op {
-                WriteOp::Invalidate { key, .. } => Some(key.clone()),
-                _ => None,
-            })
-            .collect();
-        self.keys_metric.increment(invalidated.len() as u64);
-        if let Some(second) = &self.second {
-            if !invalidated.is_empty() {
-                let due = Instant::now() + Duration::from_millis(self.config.second_delete_ms);
-                let mut keys = invalidated;
-                keys.sort_unstable();
-                keys.dedup();
-                // The task only ends when the queue closes, which happens in `close`.
-                let _ = second.queue.send((due, keys)).await;
-            }
+            .filter(|op| matches!(op, WriteOp::Invalidate { .. }))
+            .count();
+        self.keys_metric.increment(invalidated as u64);
+        if let (Some(second), true) = (&self.second, invalidated > 0) {
+            let due = Instant::now() + Duration::from_millis(self.config.second_delete_ms);
+            let mut keys: Vec<String> = batch
+                .ops
+                .iter()
+                .filter_map(|op| match op {
+                    WriteOp::Invalidate { key, .. } => Some(key.clone()),
+                    _ => None,
+                })
+                .collect();
+            keys.sort_unstable();
+            keys.dedup();
+            // The task only ends when the queue closes, which happens in `close`.
+            let _ = second.queue.send((due, keys)).await;
         }
         Ok(report)
     }

@@ -98,14 +98,25 @@ enum Attempt<'a> {
     Deliver(&'a Job),
 }
 
+/// Where a delivery task reports its target's health: made once per task.
+struct Reporter {
+    name: String,
+    healthy: metrics::Gauge,
+    health: Arc<Health>,
+}
+
 /// Runs `attempt` until it succeeds, fails permanently, or shutdown is requested while waiting.
 async fn retrying(
     target: &mut Target,
     attempt: Attempt<'_>,
     shutdown: &mut watch::Receiver<bool>,
-    health: &Health,
+    reporter: &Reporter,
 ) -> Result<WriteReport, (SinkError, bool)> {
-    let name = target.name();
+    let Reporter {
+        name,
+        healthy,
+        health,
+    } = reporter;
     let what = match attempt {
         Attempt::Open => "open",
         Attempt::Deliver(_) => "write",
@@ -119,7 +130,6 @@ async fn retrying(
     let mut failures = 0u64;
     let first_failure = std::time::Instant::now();
     let unhealthy_after = target.unhealthy_after();
-    let healthy = metrics::gauge!("refract_sink_healthy", "sink" => name.clone());
     let mut unhealthy = false;
     loop {
         let result = match attempt {
@@ -175,14 +185,27 @@ pub(crate) async fn run(
     health: Arc<Health>,
 ) {
     let name = target.name();
+    let reporter = Reporter {
+        healthy: metrics::gauge!("refract_sink_healthy", "sink" => name.clone()),
+        name: name.clone(),
+        health,
+    };
     let fail = |error, shutdown| Ack::Failed { error, shutdown };
-    if let Err((error, stop)) = retrying(&mut target, Attempt::Open, &mut shutdown, &health).await {
+    if let Err((error, stop)) = retrying(&mut target, Attempt::Open, &mut shutdown, &reporter).await
+    {
         let _ = acks.send(fail(error, stop));
         return;
     }
     while let Some(job) = jobs.recv().await {
         let seq = job.seq();
-        match retrying(&mut target, Attempt::Deliver(&job), &mut shutdown, &health).await {
+        match retrying(
+            &mut target,
+            Attempt::Deliver(&job),
+            &mut shutdown,
+            &reporter,
+        )
+        .await
+        {
             Ok(report) => {
                 if acks
                     .send(Ack::Done {

@@ -1,11 +1,10 @@
 use std::collections::BTreeMap;
 
 use refract_schemas::config::{CacheInvalidationProjectionConfig, CacheTableConfig};
-use refract_schemas::debezium::DebeziumDecoder;
-use refract_schemas::{Offset, Position, Record};
 use serde_json::json;
 
 use super::*;
+use crate::test_support::event;
 
 fn projection(version_column: Option<&str>) -> CacheInvalidationProjection {
     CacheInvalidationProjection::new(&CacheInvalidationProjectionConfig {
@@ -22,20 +21,6 @@ fn projection(version_column: Option<&str>) -> CacheInvalidationProjection {
         )]),
         sinks: vec!["cache".into()],
     })
-}
-
-fn event(line: serde_json::Value) -> ChangeEvent {
-    let pos = Position {
-        partition: "p".into(),
-        offset: Offset(1, 0),
-    };
-    match DebeziumDecoder::new()
-        .decode(line.to_string().as_bytes(), pos)
-        .unwrap()
-    {
-        Record::Change(e) => e,
-        r => panic!("{r:?}"),
-    }
 }
 
 /// The keys invalidated (`key@version`), and the error if any.
