@@ -50,6 +50,12 @@ pub struct WriteReport {
 /// - *Classified errors.* A [`SinkError`] that [`is_retryable`](SinkError::is_retryable) makes the
 ///   runtime retry the same batch with backoff while the checkpoint stays put; any other error
 ///   stops the pipeline loudly. A sink never skips an operation to make progress.
+///
+/// **Buffering sinks** (Parquet files that hold many batches) may return from `write` before a
+/// batch is durable, if they say so through [`Sink::durable_through`]: the runtime then holds
+/// the checkpoint until the sink reports the batch durable, calls [`Sink::flush`] at the sink's
+/// [`Sink::flush_deadline`] and when the pipeline drains, and tells the sink at start where the
+/// run resumes ([`Sink::resume_from`]) so it can drop what it published past that point.
 #[async_trait]
 pub trait Sink: Send {
     /// The sink's name in the pipeline file.
@@ -64,6 +70,26 @@ pub trait Sink: Send {
 
     /// Flushes and releases resources at shutdown.
     async fn close(&mut self) -> Result<(), SinkError>;
+
+    /// Called once before [`Sink::open`] with the checkpoint the run resumes from.
+    fn resume_from(&mut self, _checkpoint: &Checkpoint) {}
+
+    /// For a buffering sink, the newest batch `seq` whose effects (and those of every batch
+    /// before it) are durable; `None` (the default) when every batch is durable once `write`
+    /// returns.
+    fn durable_through(&self) -> Option<u64> {
+        None
+    }
+
+    /// When a buffering sink wants [`Sink::flush`] called although no batch arrives.
+    fn flush_deadline(&self) -> Option<std::time::Instant> {
+        None
+    }
+
+    /// Makes everything written so far durable (a buffering sink publishes its files).
+    async fn flush(&mut self) -> Result<(), SinkError> {
+        Ok(())
+    }
 
     /// Something the run's summary must tell the user after [`Sink::close`] (a sink that wrote
     /// somewhere else than configured, say).

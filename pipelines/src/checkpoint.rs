@@ -2,8 +2,8 @@
 //!
 //! Backed by redb, an embedded ACID key-value store in pure Rust: each commit is one fsynced
 //! transaction, a crash at any instant leaves either the old or the new checkpoint, and its file
-//! lock stops two processes from running the same pipeline state. Projection state will live in
-//! the same database so that it commits together with the position it reflects.
+//! lock stops two processes from running the same pipeline state. Projection state (what a
+//! projection learned, such as a flatten projection's column types) lives in the same database.
 
 use std::path::{Path, PathBuf};
 
@@ -12,6 +12,8 @@ use refract_schemas::{Checkpoint, Offset};
 
 /// partition name → (offset major, offset minor).
 const CHECKPOINTS: TableDefinition<&str, (u64, u64)> = TableDefinition::new("checkpoints");
+/// projection name → its serialized state (`Projection::take_state`).
+const PROJECTION_STATE: TableDefinition<&str, &[u8]> = TableDefinition::new("projection_state");
 
 /// Failure of the checkpoint store.
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +93,32 @@ impl CheckpointStore {
     }
 }
 
+impl CheckpointStore {
+    /// The state saved for projection `name`, if any.
+    pub fn load_state(&self, name: &str) -> Result<Option<Vec<u8>>, CheckpointError> {
+        let txn = self.db.begin_read().map_err(|e| self.fail(e))?;
+        let table = match txn.open_table(PROJECTION_STATE) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
+            Err(e) => return Err(self.fail(e)),
+        };
+        Ok(table
+            .get(name)
+            .map_err(|e| self.fail(e))?
+            .map(|v| v.value().to_vec()))
+    }
+
+    /// Durably records the state of projection `name` (one fsynced transaction).
+    pub fn save_state(&self, name: &str, state: &[u8]) -> Result<(), CheckpointError> {
+        let txn = self.db.begin_write().map_err(|e| self.fail(e))?;
+        {
+            let mut table = txn.open_table(PROJECTION_STATE).map_err(|e| self.fail(e))?;
+            table.insert(name, state).map_err(|e| self.fail(e))?;
+        }
+        txn.commit().map_err(|e| self.fail(e))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -110,7 +138,14 @@ mod tests {
             CheckpointStore::open(&path),
             Err(CheckpointError::InUse(_))
         ));
+        assert_eq!(store.load_state("p").unwrap(), None);
+        store.save_state("p", b"learned").unwrap();
         drop(store);
-        assert_eq!(CheckpointStore::open(&path).unwrap().load().unwrap(), cp);
+        let store = CheckpointStore::open(&path).unwrap();
+        assert_eq!(store.load().unwrap(), cp);
+        assert_eq!(
+            store.load_state("p").unwrap().as_deref(),
+            Some(&b"learned"[..])
+        );
     }
 }

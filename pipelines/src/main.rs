@@ -79,6 +79,12 @@ enum Command {
         #[arg(long)]
         yes: bool,
     },
+    /// Rebuild the current-state tables (`{table}/current/`) of a pipeline's Parquet sinks from
+    /// their change logs.
+    Compact {
+        /// The pipeline file.
+        pipeline: PathBuf,
+    },
     /// Print the JSON Schema of pipeline files (committed as schemas/pipeline.schema.json).
     ConfigSchema,
 }
@@ -123,6 +129,27 @@ fn main() -> ExitCode {
         }),
         Command::Drop { pipeline, yes } => with_pipeline(&pipeline, |loaded, rt| {
             ExitCode::from(rt.block_on(refract::drop::run(&loaded, yes)))
+        }),
+        Command::Compact { pipeline } => with_pipeline(&pipeline, |loaded, rt| {
+            match rt.block_on(runtime::compact(&loaded.config)) {
+                Ok(reports) if reports.is_empty() => {
+                    eprintln!("{}: no parquet sink to compact", pipeline.display());
+                    ExitCode::from(2)
+                }
+                Ok(reports) => {
+                    for (sink, r) in reports {
+                        println!(
+                            "sink `{sink}`: {} table(s) rebuilt, {} rows, {} change file(s) merged, {} deleted by retention",
+                            r.tables, r.rows, r.files_read, r.files_deleted
+                        );
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
         }),
         Command::ConfigSchema => {
             print!("{}", config::json_schema());

@@ -181,6 +181,28 @@ pub fn render(loaded: &LoadedPipeline, check: &SourceCheck) -> String {
                     );
                 }
             }
+            ProjectionConfig::Flatten(f) => {
+                for t in &f.outputs {
+                    let from = t
+                        .explode
+                        .as_ref()
+                        .map_or(String::new(), |e| format!(", one row per element of {e}"));
+                    let unmapped = match &t.unmapped {
+                        None => "unmapped fields dropped".to_owned(),
+                        Some(u) => format!("unmapped fields under {} kept ({:?})", u.under, u.mode)
+                            .to_lowercase(),
+                    };
+                    let _ = writeln!(
+                        out,
+                        "projects `{name}` (flatten): {} -> table `{}` ({} columns, key {}{from}; {unmapped}) -> sinks {}",
+                        f.table,
+                        t.name,
+                        t.columns.len(),
+                        t.key.join(", "),
+                        f.sinks.join(", ")
+                    );
+                }
+            }
         }
     }
     for (name, s) in &c.sinks {
@@ -225,6 +247,23 @@ pub fn render(loaded: &LoadedPipeline, check: &SourceCheck) -> String {
                         "             if Redis does not answer at start: commands go to {f} instead (demo mode)"
                     );
                 }
+            }
+            SinkConfig::Parquet(p) => {
+                let compaction = if p.compact_interval_ms > 0 {
+                    format!("every {} s", p.compact_interval_ms / 1000)
+                } else {
+                    "by `refract compact` and at the end of --until-caught-up".to_owned()
+                };
+                let _ = writeln!(
+                    out,
+                    "writes `{name}` (parquet): {}/{{table}}/changes/date=…/*.parquet (zstd {}, files of up to {} rows or {} MiB or {} s); \
+                     {{table}}/current/ compacted {compaction}",
+                    show(&format!("sinks.{name}.url"), &p.url),
+                    p.zstd_level,
+                    p.roll_rows,
+                    p.roll_bytes >> 20,
+                    p.roll_ms / 1000
+                );
             }
             SinkConfig::Null(_) => {
                 let _ = writeln!(out, "writes `{name}` (null): discards everything");

@@ -5,6 +5,7 @@
 //! clock: everything a projection does can be replayed and tested from a file of events.
 
 pub mod cache_invalidation;
+pub mod flatten;
 pub mod replica;
 
 use std::sync::Arc;
@@ -43,6 +44,13 @@ pub enum WriteOp {
         /// deleted row); cached values older than it are stale. `None` without a version column.
         version: Option<i64>,
         /// Position of the change that produced it.
+        position: Position,
+    },
+    /// A row change of a flat analytical table (from a `flatten` projection).
+    Flat {
+        /// The change, with the table's schema.
+        change: flatten::FlatChange,
+        /// Position of the source change that produced it.
         position: Position,
     },
     /// Remove every document of `collection`.
@@ -98,6 +106,22 @@ pub trait Projection: Send {
         now_ms: i64,
         out: &mut Vec<WriteOp>,
     ) -> Result<(), ProjectionError>;
+
+    /// State the projection learned from the events so far that must survive a restart (a
+    /// flatten projection's column types), serialized; `None` when nothing changed since the
+    /// last call. The runtime persists it before the batch holding the events that taught it
+    /// is written anywhere, so the state is never older than the checkpoint. It may be newer
+    /// (a crash before the checkpoint): state must therefore only ever grow, so that replayed
+    /// events project the same way.
+    fn take_state(&mut self) -> Option<Vec<u8>> {
+        None
+    }
+
+    /// Restores state returned by [`Projection::take_state`] in an earlier run, before the
+    /// first event.
+    fn restore_state(&mut self, _state: &[u8]) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// The one place that turns projection configuration into projections: every kind is in this
@@ -109,6 +133,7 @@ pub fn build(config: &refract_schemas::config::ProjectionConfig) -> Box<dyn Proj
         ProjectionConfig::CacheInvalidation(c) => {
             Box::new(cache_invalidation::CacheInvalidationProjection::new(c))
         }
+        ProjectionConfig::Flatten(c) => Box::new(flatten::FlattenProjection::new(c)),
     }
 }
 

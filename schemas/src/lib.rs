@@ -1,6 +1,6 @@
 //! refract's shared vocabulary: the change-event model, the Debezium JSON codec and the
 //! pipeline-file configuration (types, loading with located errors, validation, JSON Schema)
-//! and the key templates cache keys are written in.
+//! the key templates cache keys are written in, and the field paths flat tables are declared with.
 //!
 //! Nothing here does IO beyond reading a pipeline file; sources, projections and sinks all speak
 //! these types.
@@ -8,6 +8,7 @@
 pub mod config;
 pub mod debezium;
 pub mod event;
+pub mod field_path;
 pub mod template;
 
 pub use event::{ChangeEvent, Checkpoint, Offset, Op, Position, Record, Row, TableId};

@@ -2,4 +2,5 @@
 
 pub mod null;
 pub mod object_json;
+pub mod parquet;
 pub mod redis;

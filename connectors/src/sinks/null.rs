@@ -34,6 +34,10 @@ impl Sink for NullSink {
         for op in &batch.ops {
             match op {
                 WriteOp::Upsert { .. } => report.upserted += 1,
+                WriteOp::Flat { change, .. } => match change.op {
+                    refract_projections::flatten::FlatOp::Upsert => report.upserted += 1,
+                    _ => report.deleted += 1,
+                },
                 WriteOp::Delete { .. } | WriteOp::Truncate { .. } | WriteOp::Invalidate { .. } => {
                     report.deleted += 1
                 }

@@ -80,7 +80,7 @@ impl ObjectJsonSink {
 
 /// Object-store errors that retrying cannot fix; everything else (network, throttling, server
 /// errors, local IO hiccups) is retried.
-fn classify(sink: &str, message: String, e: object_store::Error) -> SinkError {
+pub(crate) fn classify(sink: &str, message: String, e: object_store::Error) -> SinkError {
     use object_store::Error as E;
     let permanent = matches!(
         e,
@@ -121,8 +121,9 @@ pub fn open_store(url: &str) -> Result<(Arc<dyn ObjectStore>, Path), String> {
     Ok((Arc::from(store), root))
 }
 
-/// Removes `*.json#N` staging files under a local directory (left by a kill mid-write).
-fn remove_local_staging_files(dir: &std::path::Path) -> std::io::Result<usize> {
+/// Removes `*.json#N` and `*.parquet#N` staging files under a local directory (left by a kill
+/// mid-write).
+pub(crate) fn remove_local_staging_files(dir: &std::path::Path) -> std::io::Result<usize> {
     let mut removed = 0;
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Ok(0);
@@ -133,7 +134,7 @@ fn remove_local_staging_files(dir: &std::path::Path) -> std::io::Result<usize> {
         if entry.file_type()?.is_dir() {
             removed += remove_local_staging_files(&path)?;
         } else if let Some((stem, suffix)) = entry.file_name().to_string_lossy().rsplit_once('#') {
-            if stem.ends_with(".json")
+            if (stem.ends_with(".json") || stem.ends_with(".parquet"))
                 && !suffix.is_empty()
                 && suffix.chars().all(|c| c.is_ascii_digit())
             {
@@ -183,11 +184,11 @@ impl Sink for ObjectJsonSink {
         if batch
             .ops
             .iter()
-            .any(|op| matches!(op, WriteOp::Invalidate { .. }))
+            .any(|op| matches!(op, WriteOp::Invalidate { .. } | WriteOp::Flat { .. }))
         {
             return Err(SinkError::Permanent {
                 sink: self.name.clone(),
-                message: "cannot apply cache invalidations: write them to a `redis` sink".into(),
+                message: "cannot apply cache invalidations or flat rows: write them to a `redis` or `parquet` sink".into(),
                 source: None,
             });
         }
@@ -210,8 +211,12 @@ impl Sink for ObjectJsonSink {
                     | WriteOp::Delete {
                         collection, key, ..
                     } => (&**collection, key.as_str()),
-                    WriteOp::Truncate { .. } | WriteOp::Invalidate { .. } => {
-                        unreachable!("truncates end segments; invalidations are refused above")
+                    WriteOp::Truncate { .. }
+                    | WriteOp::Invalidate { .. }
+                    | WriteOp::Flat { .. } => {
+                        unreachable!(
+                            "truncates end segments; invalidations and flat rows are refused above"
+                        )
                     }
                 };
                 last.insert(key, i);
@@ -260,7 +265,9 @@ impl Sink for ObjectJsonSink {
                                     }
                                 }
                             }
-                            WriteOp::Truncate { .. } | WriteOp::Invalidate { .. } => unreachable!(),
+                            WriteOp::Truncate { .. }
+                            | WriteOp::Invalidate { .. }
+                            | WriteOp::Flat { .. } => unreachable!(),
                         }
                     }
                 }))

@@ -201,7 +201,9 @@ impl RedisSink {
                     report.deleted += 1;
                     Command::Delete(key.clone())
                 }
-                WriteOp::Truncate { .. } => unreachable!("truncates have no key"),
+                WriteOp::Truncate { .. } | WriteOp::Flat { .. } => {
+                    unreachable!("truncates have no key; flat rows are refused above")
+                }
             });
         }
         out
@@ -366,6 +368,17 @@ impl Sink for RedisSink {
     }
 
     async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
+        if batch
+            .ops
+            .iter()
+            .any(|op| matches!(op, WriteOp::Flat { .. }))
+        {
+            return Err(SinkError::Permanent {
+                sink: self.name.clone(),
+                message: "cannot hold flat rows: write them to a `parquet` sink".into(),
+                source: None,
+            });
+        }
         let mut report = WriteReport::default();
         let commands = self.commands(&batch.ops, &mut report);
         self.send(&commands).await?;

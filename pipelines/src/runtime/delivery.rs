@@ -2,11 +2,13 @@
 //! order, retries retryable failures with exponential backoff and jitter while the checkpoint
 //! waits, and acknowledges each batch once it is durable.
 
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use refract_connectors::dead_letter::{DeadLetter, DeadLetterStore};
 use refract_connectors::{Sink, SinkBatch, SinkError, WriteReport};
+use refract_schemas::Checkpoint;
 use tokio::sync::{mpsc, watch};
 
 use super::status::Health;
@@ -24,15 +26,8 @@ pub(crate) enum Job {
     Ops(SinkBatch),
     /// Bad input for the dead-letter store.
     Letters { seq: u64, letters: Vec<DeadLetter> },
-}
-
-impl Job {
-    fn seq(&self) -> u64 {
-        match self {
-            Job::Ops(b) => b.seq,
-            Job::Letters { seq, .. } => *seq,
-        }
-    }
+    /// Make everything written durable now (the pipeline drains).
+    Flush,
 }
 
 /// A delivery task's report to the runtime.
@@ -82,6 +77,8 @@ impl Target {
     async fn deliver(&mut self, job: &Job) -> Result<WriteReport, SinkError> {
         match (self, job) {
             (Target::Sink(s), Job::Ops(batch)) => s.write(batch).await,
+            (Target::Sink(s), Job::Flush) => s.flush().await.map(|()| WriteReport::default()),
+            (Target::DeadLetters(_), Job::Flush) => Ok(WriteReport::default()),
             (Target::DeadLetters(store), Job::Letters { letters, .. }) => {
                 store.write(letters, crate::runtime::now_ms()).await?;
                 Ok(WriteReport::default())
@@ -176,9 +173,11 @@ async fn retrying(
 }
 
 /// The delivery loop of one target.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn run(
     index: usize,
     mut target: Target,
+    resume: Checkpoint,
     mut jobs: mpsc::Receiver<Job>,
     acks: mpsc::UnboundedSender<Ack>,
     mut shutdown: watch::Receiver<bool>,
@@ -191,13 +190,38 @@ pub(crate) async fn run(
         health,
     };
     let fail = |error, shutdown| Ack::Failed { error, shutdown };
+    if let Target::Sink(sink) = &mut target {
+        sink.resume_from(&resume);
+    }
     if let Err((error, stop)) = retrying(&mut target, Attempt::Open, &mut shutdown, &reporter).await
     {
         let _ = acks.send(fail(error, stop));
         return;
     }
-    while let Some(job) = jobs.recv().await {
-        let seq = job.seq();
+    // Batches a buffering sink has written but not yet made durable, with their reports.
+    let mut deferred: VecDeque<(u64, WriteReport)> = VecDeque::new();
+    let mut open = true;
+    while open || !deferred.is_empty() {
+        let deadline = match &target {
+            Target::Sink(sink) => sink.flush_deadline(),
+            Target::DeadLetters(_) => None,
+        };
+        let job = tokio::select! {
+            job = jobs.recv(), if open => match job {
+                Some(job) => job,
+                // The pipeline is done: what is buffered must become durable now.
+                None => {
+                    open = false;
+                    Job::Flush
+                }
+            },
+            () = sleep_until(deadline) => Job::Flush,
+        };
+        let seq = match &job {
+            Job::Ops(b) => Some(b.seq),
+            Job::Letters { seq, .. } => Some(*seq),
+            Job::Flush => None,
+        };
         match retrying(
             &mut target,
             Attempt::Deliver(&job),
@@ -207,21 +231,45 @@ pub(crate) async fn run(
         .await
         {
             Ok(report) => {
-                if acks
-                    .send(Ack::Done {
-                        target: index,
-                        seq,
-                        report,
-                    })
-                    .is_err()
-                {
-                    return;
+                if let Some(seq) = seq {
+                    deferred.push_back((seq, report));
+                }
+                let durable = match &target {
+                    Target::Sink(sink) => sink.durable_through(),
+                    Target::DeadLetters(_) => None,
+                };
+                while let Some(&(seq, report)) = deferred.front() {
+                    if durable.is_some_and(|through| seq > through) {
+                        break;
+                    }
+                    deferred.pop_front();
+                    if acks
+                        .send(Ack::Done {
+                            target: index,
+                            seq,
+                            report,
+                        })
+                        .is_err()
+                    {
+                        return;
+                    }
                 }
             }
             Err((error, stop)) => {
                 let _ = acks.send(fail(error, stop));
                 return;
             }
+        }
+        if !open && !deferred.is_empty() {
+            let _ = acks.send(fail(
+                SinkError::Permanent {
+                    sink: name.clone(),
+                    message: "the sink did not make its last batches durable when flushed".into(),
+                    source: None,
+                },
+                false,
+            ));
+            return;
         }
     }
     if let Target::Sink(sink) = &mut target {
@@ -231,5 +279,12 @@ pub(crate) async fn run(
         if let Some(notice) = sink.notice() {
             let _ = acks.send(Ack::Notice(format!("sink `{name}`: {notice}")));
         }
+    }
+}
+
+async fn sleep_until(deadline: Option<std::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
+        None => std::future::pending().await,
     }
 }

@@ -78,6 +78,16 @@ pub enum RunError {
         /// Why.
         reason: String,
     },
+    /// A projection's saved state could not be restored.
+    #[error(
+        "projection `{projection}`: {reason}; delete the pipeline's state directory to start over"
+    )]
+    ProjectionState {
+        /// The projection.
+        projection: String,
+        /// Why.
+        reason: String,
+    },
     /// The state directory could not be prepared.
     #[error("state directory {path}: {source}")]
     State {
@@ -206,7 +216,8 @@ pub async fn run(
     targets.push(Target::DeadLetters(dead_letters));
     let dead_letter_target = targets.len() - 1;
 
-    let routes: Vec<Route> = config
+    let store = Arc::new(store);
+    let mut routes: Vec<Route> = config
         .projections
         .iter()
         .map(|(name, c)| Route {
@@ -224,6 +235,17 @@ pub async fn run(
                 .collect(),
         })
         .collect();
+    for route in &mut routes {
+        if let Some(state) = store.load_state(&route.name)? {
+            route
+                .projection
+                .restore_state(&state)
+                .map_err(|reason| RunError::ProjectionState {
+                    projection: route.name.clone(),
+                    reason,
+                })?;
+        }
+    }
 
     // Delivery tasks give up retrying when asked to stop, or when the run fails elsewhere.
     let stop_tasks = Arc::new(watch::channel(false).0);
@@ -248,6 +270,7 @@ pub async fn run(
         let task = tokio::spawn(delivery::run(
             index,
             target,
+            resumed.clone(),
             rx,
             ack_tx.clone(),
             stop_tasks.subscribe(),
@@ -282,7 +305,7 @@ pub async fn run(
     // The checkpointer commits the newest acknowledged checkpoint, coalescing bursts.
     let (cp_tx, cp_rx) = watch::channel(resumed.clone());
     let (durable_tx, durable_rx) = watch::channel(resumed.clone());
-    let checkpointer = tokio::spawn(checkpointer(store, cp_rx, durable_tx));
+    let checkpointer = tokio::spawn(checkpointer(store.clone(), cp_rx, durable_tx));
 
     let context = SourceContext {
         pipeline: config.pipeline.name.clone(),
@@ -293,6 +316,7 @@ pub async fn run(
     source.start(&resumed, options.mode, durable_rx).await?;
 
     let mut processor = Processor {
+        store: store.clone(),
         on_error: config.pipeline.on_error,
         max_events: config.pipeline.batch.max_events,
         max_bytes: config.pipeline.batch.max_bytes as usize,
@@ -318,6 +342,7 @@ pub async fn run(
         let location = match sink {
             SinkConfig::ObjectJson(o) => mask_url(&o.url),
             SinkConfig::Redis(r) => mask_url(&r.url),
+            SinkConfig::Parquet(p) => mask_url(&p.url),
             SinkConfig::Null(_) => "discarded".to_owned(),
         };
         processor
@@ -357,6 +382,16 @@ pub async fn run(
     match outcome {
         Ok(stopped_by_signal) => {
             summary.stopped_by_signal = stopped_by_signal;
+            // The source ended (caught up, or a file read to its end): current-state tables
+            // are rebuilt so that they hold everything this run wrote.
+            if !stopped_by_signal {
+                for (sink, report) in compact(config).await.map_err(RunError::Sink)? {
+                    summary.notices.push(format!(
+                        "sink `{sink}`: current state of {} table(s) rebuilt ({} rows, {} change file(s) merged)",
+                        report.tables, report.rows, report.files_read
+                    ));
+                }
+            }
             Ok(summary)
         }
         Err(e) => {
@@ -366,13 +401,28 @@ pub async fn run(
     }
 }
 
+/// Rebuilds the current-state tables of every Parquet sink from their change logs
+/// (`refract compact`, and the end of a run whose source ended).
+pub async fn compact(
+    config: &PipelineFile,
+) -> Result<Vec<(String, refract_connectors::sinks::parquet::CompactReport)>, SinkError> {
+    let mut reports = Vec::new();
+    for (name, sink) in &config.sinks {
+        if let SinkConfig::Parquet(p) = sink {
+            let report = refract_connectors::sinks::parquet::compact(name, p).await?;
+            tracing::info!(sink = %name, tables = report.tables, rows = report.rows, files_read = report.files_read, files_deleted = report.files_deleted, "current state rebuilt");
+            reports.push((name.clone(), report));
+        }
+    }
+    Ok(reports)
+}
+
 /// Commits checkpoints as they arrive; returns the last one committed.
 async fn checkpointer(
-    store: CheckpointStore,
+    store: Arc<CheckpointStore>,
     mut rx: watch::Receiver<Checkpoint>,
     durable: watch::Sender<Checkpoint>,
 ) -> Result<Checkpoint, CheckpointError> {
-    let store = Arc::new(store);
     let mut last = rx.borrow().clone();
     loop {
         let closed = rx.changed().await.is_err();
@@ -395,6 +445,8 @@ async fn checkpointer(
 
 /// The processor: turns source items into batches and batches into acknowledged checkpoints.
 struct Processor {
+    /// Where projection state is saved (the checkpoint store).
+    store: Arc<CheckpointStore>,
     on_error: OnError,
     max_events: usize,
     max_bytes: usize,
@@ -685,6 +737,17 @@ impl Processor {
             ..Batch::new(0)
         };
         let batch = std::mem::replace(&mut self.batch, next);
+        // State the projections learned from this batch is saved before any of the batch is
+        // written: it is then never older than the checkpoint (see `Projection::take_state`).
+        for route in &mut self.routes {
+            if let Some(state) = route.projection.take_state() {
+                let store = self.store.clone();
+                let name = route.name.clone();
+                tokio::task::spawn_blocking(move || store.save_state(&name, &state))
+                    .await
+                    .expect("state save task")?;
+            }
+        }
         self.next_seq += 1;
         let seq = self.next_seq;
         let mut jobs: Vec<(usize, Job)> = Vec::new();
@@ -763,8 +826,15 @@ impl Processor {
         }
     }
 
-    /// Waits until every dispatched batch is acknowledged.
+    /// Waits until every dispatched batch is acknowledged (buffering sinks are told to flush).
     async fn drain(&mut self) -> Result<(), RunError> {
+        if !self.inflight.is_empty() {
+            for tx in &self.job_txs {
+                if tx.send(Job::Flush).await.is_err() {
+                    return Err(self.first_failure().await);
+                }
+            }
+        }
         while !self.inflight.is_empty() {
             match self.ack_rx.recv().await {
                 Some(ack) => self.on_ack(ack)?,

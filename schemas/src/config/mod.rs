@@ -255,6 +255,9 @@ pub enum ProjectionConfig {
     Replica(ReplicaProjectionConfig),
     /// Cache keys to delete after each committed change, built from the old and the new row.
     CacheInvalidation(CacheInvalidationProjectionConfig),
+    /// Rows of one table (relational columns and nested JSON) reshaped into flat analytical
+    /// tables: paths to columns, arrays exploded into child tables.
+    Flatten(FlattenProjectionConfig),
 }
 
 impl PostgresSourceConfig {
@@ -293,6 +296,7 @@ impl ProjectionConfig {
         match self {
             ProjectionConfig::Replica(c) => &c.sinks,
             ProjectionConfig::CacheInvalidation(c) => &c.sinks,
+            ProjectionConfig::Flatten(c) => &c.sinks,
         }
     }
 }
@@ -349,6 +353,154 @@ pub struct CacheTableConfig {
     pub version_column: Option<String>,
 }
 
+/// `kind = "flatten"`: each change of `table` becomes rows of flat output tables.
+///
+/// A path names a column of the source row, then fields inside it when it holds JSON (a `jsonb`
+/// column, or a string holding a JSON document): `doc.shipping.address.city`. `[]` after a field
+/// goes into each element of an array: `doc.customer.contactDetails[].email` is the first
+/// non-null `email` among the elements.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FlattenProjectionConfig {
+    /// The source table (`table` or `schema.table`).
+    pub table: String,
+    /// The flat tables built from each row.
+    pub outputs: Vec<FlatOutputConfig>,
+    /// Most columns one output table may have (1 to 10,000); a document that would add more
+    /// goes to the dead-letter store with the reason.
+    #[serde(default = "default_max_columns")]
+    pub max_columns: usize,
+    /// Sinks the rows go to (`parquet`, or `null` for dry runs).
+    pub sinks: Vec<String>,
+}
+
+/// Default ceiling on the columns of one output table: the limit seed 002 cites for analytical
+/// stores (Cosmos DB analytical store, Synapse), beyond which queries and engines fail.
+pub const DEFAULT_MAX_COLUMNS: usize = 1_000;
+
+fn default_max_columns() -> usize {
+    DEFAULT_MAX_COLUMNS
+}
+
+/// One flat output table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FlatOutputConfig {
+    /// Name of the table (a directory under the sink's URL).
+    pub name: String,
+    /// Columns that identify a row: `current/` holds one row per key.
+    pub key: Vec<String>,
+    /// An array path (`doc.items`): one row per element. Columns then address the element as
+    /// `doc.items[].sku`; the key must include a column taken from outside the array (the
+    /// parent's key), and a new version of the parent replaces all its rows.
+    #[serde(default)]
+    pub explode: Option<String>,
+    /// The columns, in order.
+    pub columns: Vec<FlatColumnConfig>,
+    /// What a delete of the source row does here: `delete` its rows (default), or `keep` them
+    /// (a table fed from many documents, such as customers named by their orders).
+    #[serde(default)]
+    pub on_delete: FlatOnDelete,
+    /// Fields under a path that no column maps: dropped when unset; with `mode = "flatten"`
+    /// each becomes a column named by its path, with `mode = "json"` they are kept together as
+    /// one JSON text column. New fields then appear as new nullable columns (schema drift).
+    #[serde(default)]
+    pub unmapped: Option<UnmappedConfig>,
+}
+
+/// One column of a flat table: exactly one of `path`, `count` or `line_no`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FlatColumnConfig {
+    /// Column name.
+    pub name: String,
+    /// Where the value comes from.
+    #[serde(default)]
+    pub path: Option<String>,
+    /// The number of elements of this array path (null when absent).
+    #[serde(default)]
+    pub count: Option<String>,
+    /// The 1-based position of the element in an exploded table.
+    #[serde(default)]
+    pub line_no: bool,
+    /// The column's type; values are cast to it (`"42"` to 42, an ISO-8601 string to a
+    /// timestamp). Unset: learned from the first non-null value, after which a value of
+    /// another kind is a type conflict (dead-lettered).
+    #[serde(default, rename = "type")]
+    pub column_type: Option<FlatColumnType>,
+}
+
+/// Types of flat columns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FlatColumnType {
+    /// UTF-8 text.
+    String,
+    /// 64-bit signed integer.
+    Int64,
+    /// 64-bit float.
+    Float64,
+    /// Boolean.
+    Bool,
+    /// Microseconds since the epoch, UTC (ISO-8601 strings, or integers as milliseconds).
+    Timestamp,
+    /// A calendar date (`YYYY-MM-DD`).
+    Date,
+    /// Any JSON value, kept as its JSON text.
+    Json,
+}
+
+/// What a source delete does to a flat table.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FlatOnDelete {
+    /// Delete the rows the source row produced.
+    #[default]
+    Delete,
+    /// Keep them.
+    Keep,
+}
+
+/// Unmapped fields of a flat table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UnmappedConfig {
+    /// The object whose unmapped fields are kept (`doc`).
+    pub under: String,
+    /// `flatten` (default): one column per field, named by its path below `under` joined with
+    /// `separator`; arrays are kept as JSON text. `json`: one JSON text column, `column`.
+    #[serde(default)]
+    pub mode: UnmappedMode,
+    /// Joins path segments into column names (`shipping_address_zip`).
+    #[serde(default = "default_separator")]
+    pub separator: String,
+    /// Paths left out (subtrees another table takes, such as `doc.items`).
+    #[serde(default)]
+    pub exclude: Vec<String>,
+    /// The column of `mode = "json"`.
+    #[serde(default = "default_unmapped_column")]
+    pub column: String,
+}
+
+fn default_separator() -> String {
+    "_".into()
+}
+
+fn default_unmapped_column() -> String {
+    "extra".into()
+}
+
+/// How unmapped fields are kept.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum UnmappedMode {
+    /// One column per field.
+    #[default]
+    Flatten,
+    /// One JSON text column holding them all.
+    Json,
+}
+
 /// A sink: where write operations are applied.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -357,6 +509,8 @@ pub enum SinkConfig {
     ObjectJson(ObjectJsonSinkConfig),
     /// Redis: deletes invalidated cache keys (and stores documents as JSON strings).
     Redis(RedisSinkConfig),
+    /// Parquet change logs and current-state tables on object storage (flat rows only).
+    Parquet(ParquetSinkConfig),
     /// Discards everything (benchmarks, dry runs).
     Null(NullSinkConfig),
 }
@@ -463,6 +617,75 @@ fn default_tombstone_ttl_ms() -> u64 {
 
 fn default_unhealthy_after_ms() -> u64 {
     30_000
+}
+
+/// `kind = "parquet"`: per table, a change log `{table}/changes/date=YYYY-MM-DD/*.parquet` and a
+/// current state `{table}/current/` rebuilt from it by compaction.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ParquetSinkConfig {
+    /// Object-store URL: `file:///abs/dir`, `s3://bucket/prefix`, `gs://…`, `az://…`. Cloud
+    /// credentials come from the usual environment variables (`AWS_*`, `GOOGLE_*`, `AZURE_*`).
+    pub url: String,
+    /// zstd level, 1 to 22.
+    #[serde(default = "default_zstd_level")]
+    pub zstd_level: i32,
+    /// Rows per row group, 1,000 to 10,000,000.
+    #[serde(default = "default_row_group_rows")]
+    pub row_group_rows: usize,
+    /// A change-log file is published once it holds this many rows (at the end of the batch
+    /// that reaches it), 1 to 100,000,000.
+    #[serde(default = "default_roll_rows")]
+    pub roll_rows: usize,
+    /// … or this many bytes of encoded data, 1 MiB to 4 GiB.
+    #[serde(default = "default_roll_bytes")]
+    pub roll_bytes: u64,
+    /// … or when it has been open this long, in milliseconds (100 to 3,600,000). The source is
+    /// acknowledged only for published files, so this bounds the replay after a crash.
+    #[serde(default = "default_roll_ms")]
+    pub roll_ms: u64,
+    /// How often the daemon rebuilds `current/` from the change log, in milliseconds (0 =
+    /// only at the end of `run --until-caught-up` and with `refract compact`).
+    #[serde(default = "default_compact_interval_ms")]
+    pub compact_interval_ms: u64,
+    /// Change-log files older than this many days (by their date partition) are deleted by
+    /// compaction once merged into `current/` (0 = keep forever).
+    #[serde(default)]
+    pub change_retention_days: u32,
+}
+
+/// Default zstd level: zstd's own default, most of the ratio at a fraction of the CPU of high levels.
+pub const DEFAULT_ZSTD_LEVEL: i32 = 3;
+/// Default rows per row group: large enough for efficient column scans, small enough to keep
+/// the writer's buffered row group to tens of MiB.
+pub const DEFAULT_ROW_GROUP_ROWS: usize = 128 * 1024;
+/// Default rows per change-log file: files of tens of MiB, which engines read efficiently.
+pub const DEFAULT_ROLL_ROWS: usize = 1_000_000;
+/// Default bytes per change-log file: the size analytical engines prefer (128 MiB).
+pub const DEFAULT_ROLL_BYTES: u64 = 128 * 1024 * 1024;
+/// Default longest a change-log file stays open: a minute of replay at most after a crash, and
+/// fresh data for readers within a minute.
+pub const DEFAULT_ROLL_MS: u64 = 60_000;
+/// Default compaction interval of the daemon: `current/` is at most five minutes behind.
+pub const DEFAULT_COMPACT_INTERVAL_MS: u64 = 300_000;
+
+fn default_zstd_level() -> i32 {
+    DEFAULT_ZSTD_LEVEL
+}
+fn default_row_group_rows() -> usize {
+    DEFAULT_ROW_GROUP_ROWS
+}
+fn default_roll_rows() -> usize {
+    DEFAULT_ROLL_ROWS
+}
+fn default_roll_bytes() -> u64 {
+    DEFAULT_ROLL_BYTES
+}
+fn default_roll_ms() -> u64 {
+    DEFAULT_ROLL_MS
+}
+fn default_compact_interval_ms() -> u64 {
+    DEFAULT_COMPACT_INTERVAL_MS
 }
 
 /// `kind = "null"`: no settings.

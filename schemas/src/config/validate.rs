@@ -1,7 +1,13 @@
 //! Every semantic rule of pipeline files, in one place. Each problem names the field path and the
 //! broken rule; the loader turns the path into a line.
 
-use super::{PipelineFile, ProjectionConfig, RedisDeleteCommand, SinkConfig, SourceConfig};
+use std::collections::BTreeSet;
+
+use super::{
+    FlattenProjectionConfig, PipelineFile, ProjectionConfig, RedisDeleteCommand, SinkConfig,
+    SourceConfig,
+};
+use crate::field_path::{FieldPath, Step};
 use crate::template::KeyTemplate;
 
 /// Object-store URL schemes refract can write to.
@@ -186,6 +192,21 @@ impl PipelineFile {
                         );
                     }
                 }
+                ProjectionConfig::Flatten(f) => {
+                    flatten(&mut problem, &base, f);
+                    for (i, sink) in f.sinks.iter().enumerate() {
+                        if let Some(s) = self.sinks.get(sink) {
+                            if !matches!(s, SinkConfig::Parquet(_) | SinkConfig::Null(_)) {
+                                problem(
+                                    &format!("{base}.sinks[{i}]"),
+                                    format!(
+                                        "sink `{sink}` cannot hold flat rows (use a `parquet` or `null` sink)"
+                                    ),
+                                );
+                            }
+                        }
+                    }
+                }
                 ProjectionConfig::CacheInvalidation(c) => {
                     if c.tables.is_empty() {
                         problem(
@@ -322,6 +343,45 @@ impl PipelineFile {
                         problem(&format!("{base}.fallback_file"), "must not be empty".into());
                     }
                 }
+                SinkConfig::Parquet(s) => {
+                    object_store_url(&mut problem, &format!("{base}.url"), &s.url);
+                    let limits: [(&str, u64, u64, u64); 6] = [
+                        ("zstd_level", s.zstd_level.max(0) as u64, 1, 22),
+                        ("row_group_rows", s.row_group_rows as u64, 1_000, 10_000_000),
+                        ("roll_rows", s.roll_rows as u64, 1, 100_000_000),
+                        ("roll_bytes", s.roll_bytes, 1 << 20, 4 << 30),
+                        ("roll_ms", s.roll_ms, 100, 3_600_000),
+                        (
+                            "change_retention_days",
+                            u64::from(s.change_retention_days),
+                            0,
+                            36_500,
+                        ),
+                    ];
+                    for (field, value, min, max) in limits {
+                        range(&mut problem, &format!("{base}.{field}"), value, min, max);
+                    }
+                    if s.compact_interval_ms != 0 {
+                        range(
+                            &mut problem,
+                            &format!("{base}.compact_interval_ms"),
+                            s.compact_interval_ms,
+                            1_000,
+                            86_400_000,
+                        );
+                    }
+                    for (projection, p) in &self.projections {
+                        if p.sinks().contains(name) && !matches!(p, ProjectionConfig::Flatten(_)) {
+                            problem(
+                                &base,
+                                format!(
+                                    "projection `{projection}` writes documents, which a `parquet` sink cannot hold: \
+                                     feed it from a `flatten` projection"
+                                ),
+                            );
+                        }
+                    }
+                }
                 SinkConfig::Null(_) => {}
             }
         }
@@ -404,5 +464,166 @@ mod tests {
         assert_eq!(mask_url("postgres://app@db/x"), "postgres://app@db/x");
         assert_eq!(mask_url("file:///tmp/out"), "file:///tmp/out");
         assert_eq!(mask_url("s3://bucket/a@b"), "s3://bucket/a@b");
+    }
+}
+
+/// The rules of a `flatten` projection.
+fn flatten(problem: &mut impl FnMut(&str, String), base: &str, f: &FlattenProjectionConfig) {
+    if f.table.is_empty() {
+        problem(
+            &format!("{base}.table"),
+            "must name the source table".into(),
+        );
+    }
+    if f.outputs.is_empty() {
+        problem(
+            &format!("{base}.outputs"),
+            "must declare at least one table".into(),
+        );
+    }
+    range(
+        &mut *problem,
+        &format!("{base}.max_columns"),
+        f.max_columns as u64,
+        1,
+        10_000,
+    );
+    let mut names = BTreeSet::new();
+    let parse = |problem: &mut dyn FnMut(&str, String), at: &str, text: &str| match FieldPath::parse(
+        text,
+    ) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            problem(at, e);
+            None
+        }
+    };
+    for (t, out) in f.outputs.iter().enumerate() {
+        let at = format!("{base}.outputs[{t}]");
+        if out.name.is_empty() || out.name.contains(['/', '\\']) || out.name.starts_with(['.', '_'])
+        {
+            problem(
+                &format!("{at}.name"),
+                format!(
+                    "`{}` must be non-empty, contain no `/` and not start with `.` or `_`",
+                    out.name
+                ),
+            );
+        } else if !names.insert(out.name.as_str()) {
+            problem(
+                &format!("{at}.name"),
+                format!("table `{}` is declared twice", out.name),
+            );
+        }
+        let explode = out.explode.as_deref().and_then(|e| {
+            let path = parse(&mut *problem, &format!("{at}.explode"), e)?;
+            if path.has_each() {
+                problem(
+                    &format!("{at}.explode"),
+                    format!("`{e}` must name one array, without `[]`"),
+                );
+                return None;
+            }
+            Some(path)
+        });
+        let element = explode.as_ref().map(|p| {
+            let mut element = p.clone();
+            element.steps.push(Step::Each);
+            element
+        });
+        if out.columns.is_empty() {
+            problem(
+                &format!("{at}.columns"),
+                "must declare at least one column".into(),
+            );
+        }
+        if out.columns.len() > f.max_columns {
+            problem(
+                &format!("{at}.columns"),
+                format!(
+                    "{} columns exceed max_columns = {}",
+                    out.columns.len(),
+                    f.max_columns
+                ),
+            );
+        }
+        let mut columns = BTreeSet::new();
+        let mut parent_key = false;
+        for (c, col) in out.columns.iter().enumerate() {
+            let cat = format!("{at}.columns[{c}]");
+            if col.name.is_empty() || col.name.starts_with('_') {
+                problem(
+                    &format!("{cat}.name"),
+                    format!(
+                        "`{}` must be non-empty and not start with `_` (refract's own columns do)",
+                        col.name
+                    ),
+                );
+            } else if !columns.insert(col.name.as_str()) {
+                problem(
+                    &format!("{cat}.name"),
+                    format!("column `{}` is declared twice", col.name),
+                );
+            }
+            let sources = usize::from(col.path.is_some())
+                + usize::from(col.count.is_some())
+                + usize::from(col.line_no);
+            if sources != 1 {
+                problem(
+                    &cat,
+                    "must have exactly one of `path`, `count` or `line_no = true`".into(),
+                );
+            }
+            if col.line_no && explode.is_none() {
+                problem(
+                    &format!("{cat}.line_no"),
+                    "only applies to a table with `explode`".into(),
+                );
+            }
+            let mut outside = col.count.is_some();
+            if let Some(text) = &col.path {
+                if let Some(path) = parse(&mut *problem, &format!("{cat}.path"), text) {
+                    outside = element.as_ref().is_none_or(|e| !path.starts_with(e));
+                }
+            }
+            if let Some(text) = &col.count {
+                parse(&mut *problem, &format!("{cat}.count"), text);
+            }
+            if outside && out.key.contains(&col.name) {
+                parent_key = true;
+            }
+        }
+        if out.key.is_empty() {
+            problem(&format!("{at}.key"), "must name at least one column".into());
+        }
+        for (k, key) in out.key.iter().enumerate() {
+            if !columns.contains(key.as_str()) {
+                problem(
+                    &format!("{at}.key[{k}]"),
+                    format!("`{key}` is not one of the table's columns"),
+                );
+            }
+        }
+        if explode.is_some() && !parent_key {
+            problem(
+                &format!("{at}.key"),
+                "an exploded table's key must include a column taken from outside the array (the parent's key)".into(),
+            );
+        }
+        if let Some(u) = &out.unmapped {
+            parse(&mut *problem, &format!("{at}.unmapped.under"), &u.under);
+            for (e, text) in u.exclude.iter().enumerate() {
+                parse(&mut *problem, &format!("{at}.unmapped.exclude[{e}]"), text);
+            }
+            if u.separator.is_empty() {
+                problem(
+                    &format!("{at}.unmapped.separator"),
+                    "must not be empty".into(),
+                );
+            }
+            if u.column.is_empty() {
+                problem(&format!("{at}.unmapped.column"), "must not be empty".into());
+            }
+        }
     }
 }

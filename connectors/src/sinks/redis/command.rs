@@ -28,7 +28,7 @@ pub(super) fn redis_key(op: &WriteOp) -> Option<Cow<'_, str>> {
         | WriteOp::Delete {
             collection, key, ..
         } => Some(Cow::Owned(format!("{collection}:{key}"))),
-        WriteOp::Truncate { .. } => None,
+        WriteOp::Truncate { .. } | WriteOp::Flat { .. } => None,
     }
 }
 

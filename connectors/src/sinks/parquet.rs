@@ -1,0 +1,520 @@
+//! `kind = "parquet"`: flat rows as Parquet on object storage, a change log per table and a
+//! current state rebuilt from it.
+//!
+//! ```text
+//! {url}/{table}/changes/date=YYYY-MM-DD/{first}-{last}-{partition}.parquet   every change
+//! {url}/{table}/current/part-0.parquet                                           one row per live key
+//! ```
+//!
+//! **Change log.** Each row carries `_op` (`u`, `d`, `t`), `_position` and `_commit_ts`, then the
+//! table's columns. Rows are buffered per table and commit date in an in-memory Parquet writer
+//! (zstd, `row_group_rows` per row group); a file is published when it reaches `roll_rows` or
+//! `roll_bytes` (checked between batches, so a file always holds whole batches), when it is
+//! `roll_ms` old, or when the pipeline drains. Publishing is one PUT (a multipart upload past
+//! [`MULTIPART_THRESHOLD`], aborted on failure): the local backend writes `name#N` and renames
+//! it into place, object stores expose an object only once complete, so a reader never sees a
+//! partial file. The source is acknowledged only for batches whose files are all published.
+//!
+//! **Replays.** Files are named by the position range they hold (and a hash of the source
+//! partition). At open, files past the checkpoint the run resumes from are deleted, and a file
+//! that straddles it is cut back to the checkpoint: the replay writes those rows again, once.
+//!
+//! **Schema drift.** A file holds one schema version; a batch bringing a newer version (a new
+//! column) starts a new file. Readers see new columns as nullable columns of the newer files.
+//!
+//! **Current state.** [`compact`] rebuilds `current/` from the change log.
+
+mod compact;
+mod encode;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use refract_projections::WriteOp;
+use refract_projections::flatten::{FlatOp, FlatSchema};
+use refract_schemas::config::{ParquetSinkConfig, mask_url};
+use refract_schemas::{Checkpoint, Offset};
+
+pub use compact::{CompactReport, compact};
+use encode::{FileWriter, Row};
+
+use crate::sinks::object_json::{open_store, remove_local_staging_files};
+use crate::{Sink, SinkBatch, SinkError, WriteReport};
+
+/// Files larger than this are uploaded in parts (S3 caps a single PUT at 5 GiB, and parts
+/// resume better on flaky links).
+pub const MULTIPART_THRESHOLD: usize = 64 * 1024 * 1024;
+/// Size of each part of a multipart upload.
+const PART_SIZE: usize = 16 * 1024 * 1024;
+
+/// A change-log file being written.
+struct OpenFile {
+    schema: Arc<FlatSchema>,
+    arrow: arrow_schema::SchemaRef,
+    writer: FileWriter,
+    partition: Arc<str>,
+    first: Offset,
+    last: Offset,
+    rows: usize,
+    /// The first batch with rows in this file.
+    first_seq: u64,
+    opened: Instant,
+}
+
+/// A finished file waiting to be published.
+struct Ready {
+    path: Path,
+    bytes: bytes::Bytes,
+    first_seq: u64,
+}
+
+/// The Parquet sink.
+pub struct ParquetSink {
+    name: String,
+    config: ParquetSinkConfig,
+    store: Option<Arc<dyn ObjectStore>>,
+    root: Path,
+    resume: Checkpoint,
+    /// Open files by (table, commit day).
+    open: BTreeMap<(Arc<str>, i64), OpenFile>,
+    ready: Vec<Ready>,
+    /// The newest batch buffered (a retried write of it is not buffered twice).
+    last_seq: u64,
+    last_compaction: Instant,
+    published: metrics::Counter,
+    rows_written: metrics::Counter,
+}
+
+impl ParquetSink {
+    /// A sink named `name`; nothing is connected before [`Sink::open`].
+    pub fn new(name: &str, config: ParquetSinkConfig) -> Self {
+        Self {
+            published: metrics::counter!("refract_parquet_files_published_total", "sink" => name.to_owned()),
+            rows_written: metrics::counter!("refract_parquet_rows_written_total", "sink" => name.to_owned()),
+            name: name.to_owned(),
+            config,
+            store: None,
+            root: Path::default(),
+            resume: Checkpoint::new(),
+            open: BTreeMap::new(),
+            ready: Vec::new(),
+            last_seq: 0,
+            last_compaction: Instant::now(),
+        }
+    }
+
+    fn error(
+        &self,
+        permanent: bool,
+        message: String,
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> SinkError {
+        let sink = self.name.clone();
+        if permanent {
+            SinkError::Permanent {
+                sink,
+                message,
+                source,
+            }
+        } else {
+            SinkError::Transient {
+                sink,
+                message,
+                source,
+            }
+        }
+    }
+
+    fn store(&self) -> Arc<dyn ObjectStore> {
+        self.store.clone().expect("write after open")
+    }
+
+    /// Buffers the rows of `batch` into the open files.
+    fn buffer(&mut self, batch: &SinkBatch, report: &mut WriteReport) -> Result<(), SinkError> {
+        // Rows per (table, day), in batch order, and the newest schema of each table.
+        let mut groups: BTreeMap<(Arc<str>, i64), (Arc<FlatSchema>, Arc<str>, Vec<Row<'_>>)> =
+            BTreeMap::new();
+        for op in &batch.ops {
+            let WriteOp::Flat { change, position } = op else {
+                return Err(self.error(
+                    true,
+                    "can only hold flat rows: feed it from a `flatten` projection".into(),
+                    None,
+                ));
+            };
+            match change.op {
+                FlatOp::Upsert => report.upserted += 1,
+                FlatOp::Delete | FlatOp::Truncate => report.deleted += 1,
+            }
+            let day = change
+                .commit_ts_ms
+                .unwrap_or_else(|| {
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as i64)
+                })
+                .div_euclid(86_400_000);
+            let group = groups
+                .entry((change.schema.table.clone(), day))
+                .or_insert_with(|| {
+                    (
+                        change.schema.clone(),
+                        position.partition.clone(),
+                        Vec::new(),
+                    )
+                });
+            if change.schema.version > group.0.version {
+                group.0 = change.schema.clone();
+            }
+            group.2.push(Row {
+                change,
+                position: position.offset,
+            });
+        }
+        for ((table, day), (schema, partition, rows)) in groups {
+            let key = (table, day);
+            if self
+                .open
+                .get(&key)
+                .is_some_and(|f| f.schema.version != schema.version)
+            {
+                let file = self.open.remove(&key).expect("checked");
+                self.finish(&key, file)?;
+            }
+            if !self.open.contains_key(&key) {
+                let arrow = encode::change_schema(&schema);
+                let properties =
+                    encode::properties(self.config.zstd_level, self.config.row_group_rows);
+                let writer = encode::writer(&arrow, properties).map_err(|e| {
+                    self.error(
+                        true,
+                        "cannot start a Parquet file".into(),
+                        Some(Box::new(e)),
+                    )
+                })?;
+                self.open.insert(
+                    key.clone(),
+                    OpenFile {
+                        schema: schema.clone(),
+                        arrow,
+                        writer,
+                        partition,
+                        first: rows[0].position,
+                        last: rows[0].position,
+                        rows: 0,
+                        first_seq: batch.seq,
+                        opened: Instant::now(),
+                    },
+                );
+            }
+            let file = self.open.get_mut(&key).expect("opened above");
+            let record_batch =
+                encode::record_batch(&file.schema, &file.arrow, &rows).map_err(|e| {
+                    SinkError::Permanent {
+                        sink: self.name.clone(),
+                        message: format!("cannot encode rows of `{}`", key.0),
+                        source: Some(Box::new(e)),
+                    }
+                })?;
+            file.writer
+                .write(&record_batch)
+                .map_err(|e| SinkError::Permanent {
+                    sink: self.name.clone(),
+                    message: format!("cannot encode rows of `{}`", key.0),
+                    source: Some(Box::new(e)),
+                })?;
+            file.rows += rows.len();
+            file.first = file
+                .first
+                .min(rows.iter().map(|r| r.position).min().expect("non-empty"));
+            file.last = file
+                .last
+                .max(rows.iter().map(|r| r.position).max().expect("non-empty"));
+            self.rows_written.increment(rows.len() as u64);
+        }
+        Ok(())
+    }
+
+    /// Closes `file` into bytes waiting to be published.
+    fn finish(&mut self, key: &(Arc<str>, i64), file: OpenFile) -> Result<(), SinkError> {
+        let bytes = file.writer.into_inner().map_err(|e| {
+            self.error(
+                true,
+                format!("cannot finish a Parquet file of `{}`", key.0),
+                Some(Box::new(e)),
+            )
+        })?;
+        let path = change_file(
+            &self.root,
+            &key.0,
+            key.1,
+            file.first,
+            file.last,
+            &file.partition,
+        );
+        self.ready.push(Ready {
+            path,
+            bytes: bytes.into(),
+            first_seq: file.first_seq,
+        });
+        Ok(())
+    }
+
+    /// Finishes the open files that reached a size limit (or all of them).
+    fn roll(&mut self, all: bool) -> Result<(), SinkError> {
+        let due: Vec<(Arc<str>, i64)> = self
+            .open
+            .iter()
+            .filter(|(_, f)| {
+                all || f.rows >= self.config.roll_rows
+                    || (f.writer.bytes_written() + f.writer.in_progress_size()) as u64
+                        >= self.config.roll_bytes
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in due {
+            let file = self.open.remove(&key).expect("listed");
+            self.finish(&key, file)?;
+        }
+        Ok(())
+    }
+
+    /// Publishes finished files; those published stay published if a later one fails.
+    async fn publish(&mut self) -> Result<(), SinkError> {
+        let store = self.store();
+        while let Some(ready) = self.ready.first() {
+            put(&*store, &ready.path, ready.bytes.clone())
+                .await
+                .map_err(|e| classify(&self.name, format!("cannot publish {}", ready.path), e))?;
+            tracing::debug!(sink = %self.name, path = %ready.path, bytes = ready.bytes.len(), "published a change-log file");
+            self.published.increment(1);
+            self.ready.remove(0);
+        }
+        Ok(())
+    }
+
+    /// Rebuilds `current/` of every table when the interval has passed.
+    async fn compact_if_due(&mut self) -> Result<(), SinkError> {
+        let interval = self.config.compact_interval_ms;
+        if interval == 0 || self.last_compaction.elapsed() < Duration::from_millis(interval) {
+            return Ok(());
+        }
+        self.last_compaction = Instant::now();
+        let report = compact(&self.name, &self.config).await?;
+        tracing::info!(sink = %self.name, tables = report.tables, rows = report.rows, "compacted current state");
+        Ok(())
+    }
+}
+
+/// Deletes change-log files past the resumed checkpoint and cuts back a file that
+/// straddles it: the replay writes their rows again.
+async fn trim_after_checkpoint(
+    name: &str,
+    store: Arc<dyn ObjectStore>,
+    root: &Path,
+    resume: &Checkpoint,
+) -> Result<(), SinkError> {
+    let partitions: Vec<(String, Offset)> = resume
+        .iter()
+        .map(|(p, o)| (partition_hash(p), *o))
+        .collect();
+    if partitions.is_empty() {
+        return Ok(());
+    }
+    let files = compact::list_change_files(&*store, root, None)
+        .await
+        .map_err(|e| classify(name, "cannot list the change log".into(), e))?;
+    for file in files {
+        let Some((_, checkpoint)) = partitions.iter().find(|(h, _)| *h == file.partition) else {
+            continue;
+        };
+        if file.last <= *checkpoint {
+            continue;
+        }
+        if file.first > *checkpoint {
+            tracing::info!(sink = %name, path = %file.path, "deleting a change-log file past the checkpoint; the replay rewrites it");
+        } else {
+            let kept = compact::cut_back(&*store, &file, *checkpoint)
+                .await
+                .map_err(|e| SinkError::Transient {
+                    sink: name.to_owned(),
+                    message: format!("cannot cut back {}: {e}", file.path),
+                    source: None,
+                })?;
+            if let Some((last, bytes)) = kept {
+                let path = change_file_in(&file.dir, file.first, last, &file.partition);
+                put(&*store, &path, bytes)
+                    .await
+                    .map_err(|e| classify(name, format!("cannot publish {path}"), e))?;
+                tracing::info!(sink = %name, from = %file.path, to = %path, "cut a change-log file back to the checkpoint");
+            }
+        }
+        match store.delete(&file.path).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+            Err(e) => return Err(classify(name, format!("cannot delete {}", file.path), e)),
+        }
+    }
+    Ok(())
+}
+
+/// The path of a change-log file.
+fn change_file(
+    root: &Path,
+    table: &str,
+    day: i64,
+    first: Offset,
+    last: Offset,
+    partition: &str,
+) -> Path {
+    let date = chrono::DateTime::from_timestamp(day * 86_400, 0).map_or_else(
+        || "unknown".to_owned(),
+        |d| d.format("%Y-%m-%d").to_string(),
+    );
+    let dir = root
+        .clone()
+        .join(table)
+        .join("changes")
+        .join(format!("date={date}").as_str());
+    change_file_in(&dir, first, last, &partition_hash(partition))
+}
+
+fn change_file_in(dir: &Path, first: Offset, last: Offset, partition_hash: &str) -> Path {
+    dir.clone().join(
+        format!(
+            "{}-{}-{partition_hash}.parquet",
+            encode::position_text(first),
+            encode::position_text(last)
+        )
+        .as_str(),
+    )
+}
+
+/// Eight hex digits naming a source partition in file names (FNV-1a).
+pub(crate) fn partition_hash(partition: &str) -> String {
+    let mut hash: u32 = 0x811c_9dc5;
+    for b in partition.bytes() {
+        hash ^= u32::from(b);
+        hash = hash.wrapping_mul(0x0100_0193);
+    }
+    format!("{hash:08x}")
+}
+
+/// Writes `bytes` at `path` so that it appears whole or not at all.
+pub(crate) async fn put(
+    store: &dyn ObjectStore,
+    path: &Path,
+    bytes: bytes::Bytes,
+) -> object_store::Result<()> {
+    if bytes.len() <= MULTIPART_THRESHOLD {
+        store.put(path, PutPayload::from(bytes)).await?;
+        return Ok(());
+    }
+    let mut upload = store.put_multipart(path).await?;
+    let mut result = Ok(());
+    for start in (0..bytes.len()).step_by(PART_SIZE) {
+        let end = (start + PART_SIZE).min(bytes.len());
+        result = upload
+            .put_part(PutPayload::from(bytes.slice(start..end)))
+            .await;
+        if result.is_err() {
+            break;
+        }
+    }
+    if result.is_ok() {
+        result = upload.complete().await.map(|_| ());
+    }
+    if let Err(e) = result {
+        // An abandoned upload keeps its parts (and is billed) until aborted.
+        if let Err(abort) = upload.abort().await {
+            tracing::warn!(path = %path, error = %abort, "cannot abort a failed multipart upload");
+        }
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// Object-store errors that retrying cannot fix are permanent.
+fn classify(sink: &str, message: String, e: object_store::Error) -> SinkError {
+    crate::sinks::object_json::classify(sink, message, e)
+}
+
+#[async_trait]
+impl Sink for ParquetSink {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn resume_from(&mut self, checkpoint: &Checkpoint) {
+        self.resume = checkpoint.clone();
+    }
+
+    async fn open(&mut self) -> Result<(), SinkError> {
+        let (store, root) = open_store(&self.config.url).map_err(|message| {
+            self.error(
+                true,
+                format!("cannot open `{}`: {message}", mask_url(&self.config.url)),
+                None,
+            )
+        })?;
+        if let Some(dir) = self.config.url.strip_prefix("file://") {
+            let removed = remove_local_staging_files(std::path::Path::new(dir)).map_err(|e| {
+                self.error(
+                    false,
+                    format!("cannot clean staging files under {dir}"),
+                    Some(Box::new(e)),
+                )
+            })?;
+            if removed > 0 {
+                tracing::info!(sink = %self.name, removed, "removed staging files of interrupted writes");
+            }
+        }
+        self.store = Some(store);
+        self.root = root;
+        trim_after_checkpoint(&self.name, self.store(), &self.root, &self.resume).await
+    }
+
+    async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
+        let mut report = WriteReport::default();
+        if batch.seq > self.last_seq {
+            self.buffer(batch, &mut report)?;
+            self.last_seq = batch.seq;
+            self.roll(false)?;
+        }
+        self.publish().await?;
+        Ok(report)
+    }
+
+    fn durable_through(&self) -> Option<u64> {
+        let pending = self.open.values().map(|f| f.first_seq);
+        let first = pending.chain(self.ready.iter().map(|r| r.first_seq)).min();
+        Some(first.map_or(self.last_seq, |first| first - 1))
+    }
+
+    fn flush_deadline(&self) -> Option<Instant> {
+        let roll = Duration::from_millis(self.config.roll_ms);
+        let files = self.open.values().map(|f| f.opened + roll).min();
+        let compaction = (self.config.compact_interval_ms > 0)
+            .then(|| self.last_compaction + Duration::from_millis(self.config.compact_interval_ms));
+        match (files, compaction) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    async fn flush(&mut self) -> Result<(), SinkError> {
+        self.roll(true)?;
+        self.publish().await?;
+        self.compact_if_due().await
+    }
+
+    async fn close(&mut self) -> Result<(), SinkError> {
+        self.roll(true)?;
+        self.publish().await
+    }
+}
