@@ -6,8 +6,17 @@
 //! full old and new rows) of the showcase `public.products` table, each on a product id drawn
 //! from 1..=IDS (default 1,000,000); the sku changes in 10% of them, the price in all.
 //!
+//! With `--orders`, for the flatten-to-Parquet benchmark (benches/parquet_flatten.sh): N creates
+//! (op `c`) of the showcase `public.customer_orders` table (`id` text `o1`..`oN`, `doc` a nested
+//! JSON object, `updated_at`). Every doc has the same fields: status, created_at (over September
+//! 2026), total_cents (the sum of qty * unit_price_cents), customer (one of c1..c100000, with a
+//! name, contactDetails `[{email}, {phone, extension}]` and a billingAddress; the same customer
+//! always has the same details), shipping (method, status, address) and 1 to 4 items (sku, qty,
+//! unit_price_cents).
+//!
 //! Usage: gen-envelopes N OUTPUT
 //!        gen-envelopes --products N OUTPUT [IDS]
+//!        gen-envelopes --orders N OUTPUT
 
 use std::io::{BufWriter, Write};
 
@@ -16,6 +25,9 @@ use serde_json::json;
 fn main() {
     if std::env::args().nth(1).as_deref() == Some("--products") {
         return products(std::env::args().skip(2));
+    }
+    if std::env::args().nth(1).as_deref() == Some("--orders") {
+        return orders(std::env::args().skip(2));
     }
     let mut args = std::env::args().skip(1);
     let n: u64 = args
@@ -111,6 +123,102 @@ fn products(mut args: impl Iterator<Item = String>) {
             "op": "u",
             "source": {"version": "2.7.0.Final", "connector": "postgresql", "name": "bench", "ts_ms": 1_790_000_000_000u64 + i,
                        "snapshot": "false", "db": "shop", "schema": "public", "table": "products", "txId": 1000 + i, "lsn": 40_000_000 + i * 200},
+            "ts_ms": 1_790_000_000_000u64 + i + 5,
+        });
+        serde_json::to_writer(&mut out, &envelope).expect("write");
+        out.write_all(b"\n").expect("write");
+    }
+    out.flush().expect("flush");
+}
+
+/// `--orders N OUTPUT`: customer order documents, see the module comment.
+fn orders(mut args: impl Iterator<Item = String>) {
+    const USAGE: &str = "usage: gen-envelopes --orders N OUTPUT";
+    const FIRST: [&str; 8] = [
+        "Thomas", "Maria", "Aiko", "Lars", "Fatima", "Jonas", "Priya", "Elena",
+    ];
+    const LAST: [&str; 8] = [
+        "Andersen", "Garcia", "Tanaka", "Novak", "Okafor", "Berg", "Sharma", "Rossi",
+    ];
+    const CITIES: [(&str, &str, &str); 6] = [
+        ("Seattle", "WA", "98012"),
+        ("Portland", "OR", "97201"),
+        ("Austin", "TX", "73301"),
+        ("Denver", "CO", "80202"),
+        ("Boston", "MA", "02108"),
+        ("Chicago", "IL", "60601"),
+    ];
+    let n: u64 = args.next().and_then(|a| a.parse().ok()).expect(USAGE);
+    let path = args.next().expect(USAGE);
+    let mut out = BufWriter::new(std::fs::File::create(&path).expect("output file"));
+    let mut state = 0xD1B5_4A32_D192_ED03u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let statuses = ["pending", "paid", "shipped", "delivered", "cancelled"];
+    let methods = ["ground", "express", "overnight"];
+    let shipping_statuses = ["pending", "in_transit", "delivered"];
+    // A timestamp `s` seconds (and `us` microseconds) into September 2026.
+    let at = |s: u64, us: Option<u64>| {
+        let frac = us.map_or(String::new(), |us| format!(".{us:06}"));
+        format!(
+            "2026-09-{:02}T{:02}:{:02}:{:02}{frac}Z",
+            1 + s / 86_400,
+            s / 3600 % 24,
+            s / 60 % 60,
+            s % 60
+        )
+    };
+    let september = 30 * 86_400;
+    for i in 0..n {
+        let r = next();
+        // The customer's details depend on the customer only.
+        let c = 1 + r % 100_000;
+        let (city, st, zip) = CITIES[(c % 6) as usize];
+        let customer = json!({
+            "id": format!("c{c}"),
+            "name": format!("{} {}", FIRST[(c % 8) as usize], LAST[(c / 8 % 8) as usize]),
+            "contactDetails": [
+                {"email": format!("c{c}@example.com")},
+                {"phone": format!("+1 555 {:04}", c % 10_000), "extension": 1000 + c % 9000},
+            ],
+            "billingAddress": {"line1": format!("{} Some Street", 1 + c % 999), "city": city, "state": st, "zip": zip},
+        });
+        let r2 = next();
+        let items: Vec<_> = (0..1 + r2 % 4)
+            .map(|k| {
+                let x = r2 >> (8 + 12 * k);
+                json!({"sku": format!("sku-{}", 1 + x % 10_000), "qty": 1 + (x >> 3) % 5, "unit_price_cents": 100 * (1 + (x >> 6) % 200)})
+            })
+            .collect();
+        let total: u64 = items
+            .iter()
+            .map(|it| it["qty"].as_u64().unwrap() * it["unit_price_cents"].as_u64().unwrap())
+            .sum();
+        let (ship_city, ship_st, ship_zip) = CITIES[((r >> 20) % 6) as usize];
+        let created = (r >> 24) % september;
+        let updated = (created + (r >> 40) % 86_400).min(september - 1);
+        let doc = json!({
+            "status": statuses[((r >> 17) % 5) as usize],
+            "created_at": at(created, None),
+            "total_cents": total,
+            "customer": customer,
+            "shipping": {
+                "method": methods[((r >> 33) % 3) as usize],
+                "status": shipping_statuses[((r >> 36) % 3) as usize],
+                "address": {"line1": format!("{} Main St", 1 + (r >> 44) % 999), "city": ship_city, "state": ship_st, "zip": ship_zip},
+            },
+            "items": items,
+        });
+        let envelope = json!({
+            "before": serde_json::Value::Null,
+            "after": {"id": format!("o{}", i + 1), "doc": doc, "updated_at": at(updated, Some((r >> 8) % 1_000_000))},
+            "op": "c",
+            "source": {"version": "2.7.0.Final", "connector": "postgresql", "name": "bench", "ts_ms": 1_790_000_000_000u64 + i,
+                       "snapshot": "false", "db": "refract", "schema": "public", "table": "customer_orders", "txId": 1000 + i / 10, "lsn": 40_000_000 + i * 200},
             "ts_ms": 1_790_000_000_000u64 + i + 5,
         });
         serde_json::to_writer(&mut out, &envelope).expect("write");

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Benchmark: DOCS Debezium creates of the showcase `public.customer_orders` table (a nested JSON
+# `doc` per order, gen-envelopes --orders) in a file -> flatten projection -> Parquet (zstd), next
+# to pyarrow doing the same read-flatten-write in the same run (benches/parquet_flatten.py:
+# pyarrow.json.read_json, pyarrow compute, pyarrow.parquet.write_table) into the same three tables:
+# orders, customers (one row per customer, the last occurrence wins) and order_items.
+# Prints `flatten to parquet: refract docs/s / pyarrow docs/s = ratio`, the peak RSS of both, and
+# the row counts of both outputs per table (a mismatch fails the run). One run of each.
+#
+# Usage: benches/parquet_flatten.sh [DOCS]   (default 1000000, 100000 when CI=true;
+#        BENCH_DIR keeps the generated file and both outputs for another look)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ "${CI:-}" = true ]; then docs=${1:-100000}; else docs=${1:-1000000}; fi
+work=${BENCH_DIR:-$(mktemp -d)}
+mkdir -p "$work"
+cleanup() { [ -n "${BENCH_DIR:-}" ] || rm -rf "$work"; }
+trap cleanup EXIT
+
+python3 -c 'import pyarrow' 2>/dev/null || {
+    echo "pyarrow is missing: python3 -m pip install pyarrow" >&2
+    exit 1
+}
+cargo build --release --locked -q -p refract -p refract-benches
+target=${CARGO_TARGET_DIR:-target}
+refract=$target/release/refract
+
+log="$work/orders-$docs.jsonl"
+[ -s "$log" ] || "$target/release/gen-envelopes" --orders "$docs" "$log"
+
+# The shipped pipeline's projection and sink, as users run them: everything from the line
+# `# --- flatten ---` to the end of pipelines/orders-analytics.toml, the sink's `url` pointed at
+# $work/out.
+showcase=pipelines/orders-analytics.toml
+[ -f "$showcase" ] || { echo "$showcase not found (it holds the flatten projection and the Parquet sink)" >&2; exit 1; }
+sections=$(sed -n '/^# --- flatten ---/,$p' "$showcase" | sed "s|^\([[:space:]]*\)url[[:space:]]*=.*|\1url = \"file://$work/out\"|")
+[ -n "$sections" ] || { echo "$showcase has no '# --- flatten ---' line" >&2; exit 1; }
+{
+    cat <<TOML
+[pipeline]
+name = "bench-parquet"
+state_dir = "$work/state"
+[pipeline.batch]
+max_events = 20000
+[source]
+kind = "file"
+path = "$log"
+follow = false
+TOML
+    # The header, unless the sections copied below carry it themselves.
+    grep -q '^\[projections\.orders_flat\]' <<<"$sections" || printf '[projections.orders_flat]\nkind = "flatten"\n'
+    printf '%s\n' "$sections"
+} > "$work/pipeline.toml"
+
+echo "file: $docs customer_orders creates, $(( $(stat -c %s "$log") / 1048576 )) MiB; $(nproc) cores"
+rm -rf "$work/pyarrow"
+python3 benches/parquet_flatten.py "$log" "$work/pyarrow" | tee "$work/pyarrow.txt"
+
+rm -rf "$work/state" "$work/out"
+if [ -x /usr/bin/time ]; then
+    RUST_LOG=warn /usr/bin/time -f '%e %M' -o "$work/time" \
+        "$refract" run "$work/pipeline.toml" --until-caught-up --summary-json "$work/summary.json" >/dev/null
+else   # wall seconds and the peak RSS (KiB) of the child, as /usr/bin/time -f '%e %M' prints them
+    RUST_LOG=warn python3 -c '
+import resource, subprocess, sys, time
+t = time.perf_counter()
+subprocess.run(sys.argv[2:], check=True, stdout=subprocess.DEVNULL)
+print(f"{time.perf_counter() - t:.2f} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}", file=open(sys.argv[1], "w"))
+' "$work/time" "$refract" run "$work/pipeline.toml" --until-caught-up --summary-json "$work/summary.json"
+fi
+
+python3 - "$work" "$docs" <<'PY'
+import glob, json, os, re, sys
+import pyarrow.parquet as pq
+work, docs = sys.argv[1], int(sys.argv[2])
+records = json.load(open(os.path.join(work, "summary.json")))["records"]
+if records != docs:
+    sys.exit(f"refract read {records} of {docs} envelopes")
+secs, rss_kib = open(os.path.join(work, "time")).read().split()[-2:]
+secs, rss_mib = float(secs), int(rss_kib) / 1024
+text = open(os.path.join(work, "pyarrow.txt")).read()
+p_secs, p_rate = (float(x) for x in re.search(r"^pyarrow: \d+ docs in ([\d.]+) s = ([\d.]+) docs/s$", text, re.M).groups())
+p_rss = re.search(r"^pyarrow peak RSS: (.*)$", text, re.M).group(1)
+rate = docs / secs
+print(f"\nrefract: {docs} docs in {secs:.2f} s = {rate:.0f} docs/s")
+print(f"pyarrow: {docs} docs in {p_secs:.2f} s = {p_rate:.0f} docs/s")
+print(f"flatten to parquet: {rate:.0f} docs/s / pyarrow {p_rate:.0f} docs/s = {rate / p_rate:.2f}x")
+print(f"peak RSS: refract {rss_mib:.1f} MiB, pyarrow {p_rss}")
+
+rows = lambda files: sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+failed = False
+for table in ["orders", "customers", "order_items"]:
+    r = rows(glob.glob(os.path.join(work, "out", table, "current", "**", "*.parquet"), recursive=True))
+    p = rows([os.path.join(work, "pyarrow", f"{table}.parquet")])
+    print(f"rows {table}: refract {r}, pyarrow {p}{'' if r == p else '  MISMATCH'}")
+    failed |= r != p
+sys.exit(1 if failed else 0)
+PY

@@ -1,0 +1,504 @@
+//! End-to-end tests of the flatten projection and the Parquet sink: the output is read back
+//! with pyarrow (an independent reader, installed by scripts/test), from a file of change events
+//! and from a PostgreSQL table killed under a writer.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use common::pg::{Cleanup, catch_up, psql, url as pg_url};
+use common::*;
+use serde_json::{Value, json};
+
+/// The shipped pipeline's projection and sink (pipelines/orders-analytics.toml), reading
+/// `table`, writing under `out`, with `sink_extra` lines in the sink section.
+fn flatten_sections(table: &str, out: &Path, sink_extra: &str) -> String {
+    let shipped = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("orders-analytics.toml"),
+    )
+    .unwrap();
+    let start = shipped
+        .find("# --- flatten ---")
+        .expect("the flatten marker");
+    let mut sections = shipped[start..]
+        .replace(
+            "table = \"customer_orders\"",
+            &format!("table = \"{table}\""),
+        )
+        .lines()
+        .map(|l| {
+            if l.starts_with("url = ") {
+                format!("url = \"file://{}\"\n{sink_extra}", out.display())
+            } else {
+                l.to_owned()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    sections.push('\n');
+    sections
+}
+
+/// The output read by pyarrow (tests/parquet_read.py).
+fn read_back(out: &Path) -> Value {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/parquet_read.py");
+    let run = Command::new("python3")
+        .arg(script)
+        .arg(out)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        run.status.success(),
+        "pyarrow could not read the output: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    serde_json::from_slice(&run.stdout).expect("the reader prints JSON")
+}
+
+fn envelope(op: &str, id: &str, before: Option<Value>, after: Option<Value>, lsn: u64) -> String {
+    json!({
+        "before": before, "after": after, "op": op,
+        "source": {"connector": "postgresql", "db": "refract", "schema": "public", "table": "customer_orders",
+                   "txId": lsn, "lsn": lsn, "ts_ms": 1_790_000_000_000u64 + lsn},
+        "ts_ms": 1_790_000_000_000u64 + lsn,
+        "id_for_humans": id,
+    })
+    .to_string()
+}
+
+fn order(id: &str, customer: u32, items: usize, extra: Value) -> Value {
+    let mut doc = json!({
+        "status": "paid",
+        "created_at": "2026-09-22T10:31:00Z",
+        "total_cents": 100 * items,
+        "customer": {"id": format!("c{customer}"), "name": format!("Customer {customer}"),
+                     "contactDetails": [{"email": format!("c{customer}@example.com")},
+                                        {"phone": format!("+1 555 {customer:04}"), "extension": 5555}],
+                     "billingAddress": {"line1": "100 Some Street", "city": "Seattle", "state": "WA", "zip": "98012"}},
+        "shipping": {"method": "ground", "status": "pending",
+                     "address": {"line1": "1 Main St", "city": "Portland", "state": "OR", "zip": "97201"}},
+        "items": (0..items).map(|i| json!({"sku": format!("sku-{i}"), "qty": i + 1, "unit_price_cents": 100})).collect::<Vec<_>>(),
+    });
+    if let (Value::Object(d), Value::Object(e)) = (&mut doc, extra) {
+        d.extend(e);
+    }
+    // Debezium sends a jsonb column as a string holding the document.
+    json!({"id": id, "doc": doc.to_string(), "updated_at": "2026-09-22T10:31:00.000000Z"})
+}
+
+fn rows_by(table: &Value, key: &str) -> BTreeMap<String, Value> {
+    table["current"]
+        .as_array()
+        .expect("a current state")
+        .iter()
+        .map(|r| {
+            (
+                r[key]
+                    .as_str()
+                    .map_or_else(|| r[key].to_string(), str::to_owned),
+                r.clone(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn flattened_tables_read_back_with_pyarrow_and_a_type_conflict_is_dead_lettered() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let log = dir.path().join("changes.jsonl");
+    let lines = vec![
+        envelope(
+            "c",
+            "o1",
+            None,
+            Some(order("o1", 1, 2, json!({"priority": 1}))),
+            10,
+        ),
+        envelope("c", "o2", None, Some(order("o2", 2, 3, json!({}))), 20),
+        envelope("c", "o3", None, Some(order("o3", 1, 1, json!({}))), 30),
+        // o2 loses two of its items and changes status.
+        envelope(
+            "u",
+            "o2",
+            None,
+            Some(order("o2", 2, 1, json!({"status": "shipped"}))),
+            40,
+        ),
+        envelope("d", "o3", Some(json!({"id": "o3"})), None, 50),
+        // A field the pipeline does not map appears: a new column.
+        envelope(
+            "c",
+            "o4",
+            None,
+            Some(order("o4", 3, 2, json!({"coupon": "WELCOME10"}))),
+            60,
+        ),
+        // `priority` was a number and is now an object: dead-lettered, the rest goes on.
+        envelope(
+            "c",
+            "o5",
+            None,
+            Some(order("o5", 4, 1, json!({"priority": {"level": "high"}}))),
+            70,
+        ),
+        envelope("c", "o6", None, Some(order("o6", 4, 4, json!({}))), 80),
+    ];
+    write_lines(&log, &lines);
+    let pipeline = dir.path().join("p.toml");
+    std::fs::write(
+        &pipeline,
+        format!(
+            "[pipeline]\nname = \"flat\"\nstate_dir = \"{}\"\n[pipeline.batch]\nmax_events = 3\n\
+             [source]\nkind = \"file\"\npath = \"{}\"\nfollow = false\n{}",
+            dir.path().join("state").display(),
+            log.display(),
+            flatten_sections("customer_orders", &out, "")
+        ),
+    )
+    .unwrap();
+    let run = output(refract().arg("run").arg(&pipeline));
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+
+    let result = read_back(&out);
+    assert_eq!(
+        result["bad_files"],
+        json!([]),
+        "every file has a valid footer"
+    );
+    let tables = &result["tables"];
+
+    // Orders: one row per live key; o3 deleted; o5 dead-lettered.
+    let orders = rows_by(&tables["orders"], "order_id");
+    assert_eq!(orders.keys().collect::<Vec<_>>(), ["o1", "o2", "o4", "o6"]);
+    assert_eq!(orders["o2"]["status"], "shipped");
+    assert_eq!(orders["o2"]["item_count"], 1);
+    assert_eq!(orders["o1"]["shipping_city"], "Portland");
+    assert_eq!(orders["o1"]["created_at"], "2026-09-22T10:31:00+00:00");
+    // Unmapped fields became columns; the added one is null where the document lacked it.
+    assert_eq!(orders["o1"]["shipping_address_zip"], "97201");
+    assert_eq!(orders["o4"]["coupon"], "WELCOME10");
+    assert_eq!(orders["o1"]["coupon"], Value::Null);
+    assert_eq!(orders["o1"]["priority"], 1);
+    let types = &tables["orders"]["current_types"];
+    assert_eq!(types["created_at"], "timestamp[us, tz=UTC]");
+    assert_eq!(types["total_cents"], "int64");
+    assert_eq!(types["coupon"], "string");
+    // The new column appears in the files written after it appeared, with a newer schema version.
+    let changes = tables["orders"]["changes"].as_array().unwrap();
+    assert!(changes.len() >= 2, "{changes:?}");
+    assert!(changes[0]["columns"].get("coupon").is_none(), "{changes:?}");
+    assert!(
+        changes.last().unwrap()["columns"].get("coupon").is_some(),
+        "{changes:?}"
+    );
+    assert!(
+        changes.last().unwrap()["schema_version"]
+            .as_str()
+            .unwrap()
+            .parse::<u32>()
+            .unwrap()
+            > changes[0]["schema_version"]
+                .as_str()
+                .unwrap()
+                .parse::<u32>()
+                .unwrap()
+    );
+
+    // Items exploded with their line numbers; o2's old items are gone, o3's too.
+    let items: BTreeSet<(String, i64, String)> = tables["order_items"]["current"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["order_id"].as_str().unwrap().to_owned(),
+                r["line_no"].as_i64().unwrap(),
+                r["sku"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let expected: BTreeSet<(String, i64, String)> = [("o1", 2), ("o2", 1), ("o4", 2), ("o6", 4)]
+        .iter()
+        .flat_map(|(o, n)| (0..*n).map(move |i| (o.to_string(), i as i64 + 1, format!("sku-{i}"))))
+        .collect();
+    assert_eq!(items, expected);
+
+    // Customers: one row per customer, email and phone flattened from the contact array.
+    let customers = rows_by(&tables["customers"], "customer_id");
+    assert_eq!(
+        customers.keys().collect::<Vec<_>>(),
+        ["c1", "c2", "c3", "c4"]
+    );
+    assert_eq!(customers["c2"]["email"], "c2@example.com");
+    assert_eq!(customers["c2"]["phone"], "+1 555 0002");
+    assert_eq!(customers["c2"]["billing_city"], "Seattle");
+
+    // Flat columns only, in every file.
+    for (table, entry) in tables.as_object().unwrap() {
+        let mut all: Vec<&Value> = entry["changes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| &c["columns"])
+            .collect();
+        all.push(&entry["current_types"]);
+        for columns in all {
+            for (column, ty) in columns.as_object().unwrap() {
+                let ty = ty.as_str().unwrap();
+                assert!(
+                    !(ty.starts_with("struct") || ty.starts_with("list") || ty.starts_with("map")),
+                    "{table}.{column} is nested: {ty}"
+                );
+            }
+        }
+    }
+
+    // The type conflict is in the dead-letter store with its reason.
+    let letters =
+        std::fs::read_to_string(dir.path().join("state/flat/dead-letters.ndjson")).unwrap();
+    let letters: Vec<Value> = letters
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    let reason = letters[0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("type conflict") && reason.contains("priority"),
+        "{reason}"
+    );
+
+    // Compaction again from the change log alone gives the same current state.
+    let before = tables.clone();
+    for t in ["orders", "customers", "order_items"] {
+        std::fs::remove_dir_all(out.join(t).join("current")).unwrap();
+    }
+    let compact = output(refract().arg("compact").arg(&pipeline));
+    assert!(
+        compact.status.success(),
+        "{}",
+        String::from_utf8_lossy(&compact.stderr)
+    );
+    let again = read_back(&out);
+    for t in ["orders", "customers", "order_items"] {
+        assert_eq!(
+            rows_by(&again["tables"][t], "_position").len(),
+            rows_by(&before[t], "_position").len()
+        );
+        assert_eq!(
+            again["tables"][t]["current"].as_array().unwrap().len(),
+            before[t]["current"].as_array().unwrap().len(),
+            "{t}"
+        );
+    }
+}
+
+/// The orders and their items as PostgreSQL holds them: order id → (status, total, items).
+fn source_orders(table: &str) -> BTreeMap<String, (String, i64, Vec<String>)> {
+    let text = psql(&format!(
+        "SELECT coalesce(json_agg(json_build_array(id, doc->>'status', (doc->>'total_cents')::bigint,
+                  (SELECT coalesce(json_agg(i->>'sku' ORDER BY n), '[]') FROM jsonb_array_elements(doc->'items') WITH ORDINALITY AS e(i, n)))), '[]')
+         FROM public.{table}"
+    ));
+    let rows: Vec<Value> = serde_json::from_str(&text).unwrap();
+    rows.into_iter()
+        .map(|r| {
+            let skus = r[3]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s.as_str().unwrap().to_owned())
+                .collect();
+            (
+                r[0].as_str().unwrap().to_owned(),
+                (
+                    r[1].as_str().unwrap().to_owned(),
+                    r[2].as_i64().unwrap(),
+                    skus,
+                ),
+            )
+        })
+        .collect()
+}
+
+/// The same, from the Parquet current state.
+fn parquet_orders(result: &Value) -> BTreeMap<String, (String, i64, Vec<String>)> {
+    let mut items: BTreeMap<String, BTreeMap<i64, String>> = BTreeMap::new();
+    for r in result["tables"]["order_items"]["current"]
+        .as_array()
+        .unwrap()
+    {
+        items
+            .entry(r["order_id"].as_str().unwrap().to_owned())
+            .or_default()
+            .insert(
+                r["line_no"].as_i64().unwrap(),
+                r["sku"].as_str().unwrap().to_owned(),
+            );
+    }
+    let mut orders: BTreeMap<String, (String, i64, Vec<String>)> =
+        result["tables"]["orders"]["current"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                let id = r["order_id"].as_str().unwrap().to_owned();
+                let skus = items
+                    .remove(&id)
+                    .unwrap_or_default()
+                    .into_values()
+                    .collect();
+                (
+                    id,
+                    (
+                        r["status"].as_str().unwrap().to_owned(),
+                        r["total_cents"].as_i64().unwrap(),
+                        skus,
+                    ),
+                )
+            })
+            .collect();
+    for (id, i) in items {
+        orders.insert(
+            id,
+            (
+                "<items without an order>".into(),
+                -1,
+                i.into_values().collect(),
+            ),
+        );
+    }
+    orders
+}
+
+#[test]
+fn sigkill_during_writes_leaves_valid_files_and_current_equals_the_source() {
+    let name = "pq_kill";
+    let _cleanup = Cleanup::new(name, &[name]);
+    psql(&format!(
+        "CREATE TABLE public.{name} (id text PRIMARY KEY, doc jsonb NOT NULL, updated_at timestamptz NOT NULL DEFAULT now())"
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let pipeline = dir.path().join("p.toml");
+    std::fs::write(
+        &pipeline,
+        format!(
+            "[pipeline]\nname = \"{name}\"\nstate_dir = \"{}\"\n[pipeline.batch]\nmax_events = 200\nmax_delay_ms = 50\n\
+             [source]\nkind = \"postgres\"\nurl = \"{}\"\ntables = [\"public.{name}\"]\n{}",
+            dir.path().join("state").display(),
+            pg_url(),
+            // Files are published every 300 ms, so kills land before, during and after publishing.
+            flatten_sections(name, &out, "roll_ms = 300\ncompact_interval_ms = 1000")
+        ),
+    )
+    .unwrap();
+    catch_up(&pipeline);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut rng = Rng::new(11);
+            let mut round = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                round += 1;
+                let id = rng.below(400);
+                let items = rng.below(4) + 1;
+                let doc = format!(
+                    r#"{{"status": "s{round}", "created_at": "2026-09-22T10:31:00Z", "total_cents": {round},
+                        "customer": {{"id": "c{c}", "name": "n{c}", "contactDetails": [{{"email": "c{c}@x"}}]}},
+                        "shipping": {{"method": "air", "address": {{"city": "Lyon"}}}},
+                        "items": [{items}]}}"#,
+                    c = rng.below(50),
+                    items = (0..items)
+                        .map(|i| format!(r#"{{"sku": "k{round}-{i}", "qty": 1}}"#))
+                        .collect::<Vec<_>>()
+                        .join(",")
+                );
+                let sql = match round % 10 {
+                    0..=6 => format!(
+                        "INSERT INTO public.{name} (id, doc) VALUES ('o{id}', '{doc}') ON CONFLICT (id) DO UPDATE SET doc = excluded.doc, updated_at = now()"
+                    ),
+                    7 => format!(
+                        "BEGIN; INSERT INTO public.{name} (id, doc) SELECT 'b' || g, '{doc}' FROM generate_series({a}, {a} + 199) g ON CONFLICT (id) DO NOTHING; COMMIT;",
+                        a = rng.below(2000)
+                    ),
+                    _ => format!(
+                        "DELETE FROM public.{name} WHERE id IN ('o{id}', 'b{}')",
+                        rng.below(2200)
+                    ),
+                };
+                psql(&sql);
+            }
+            round
+        })
+    };
+
+    let mut rng = Rng::new(7);
+    let mut kills = 0;
+    let mut files_checked = 0;
+    while kills < 20 {
+        let mut daemon = Running::spawn(
+            refract()
+                .arg("run")
+                .arg(&pipeline)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+        );
+        std::thread::sleep(Duration::from_millis(400 + rng.below(1200)));
+        let child = daemon.child();
+        if child.try_wait().unwrap().is_none() {
+            child.kill().unwrap();
+            kills += 1;
+        }
+        child.wait().unwrap();
+        let result = read_back(&out);
+        assert_eq!(
+            result["bad_files"],
+            json!([]),
+            "after kill {kills}: every visible file has a valid footer"
+        );
+        files_checked += result["files"].as_u64().unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    let rounds = writer.join().unwrap();
+    catch_up(&pipeline);
+    let result = read_back(&out);
+    assert_eq!(result["bad_files"], json!([]));
+    let source = source_orders(name);
+    let parquet = parquet_orders(&result);
+    let missing: Vec<_> = source
+        .keys()
+        .filter(|k| !parquet.contains_key(*k))
+        .take(5)
+        .collect();
+    let extra: Vec<_> = parquet
+        .keys()
+        .filter(|k| !source.contains_key(*k))
+        .take(5)
+        .collect();
+    let differing: Vec<_> = source
+        .iter()
+        .filter(|(k, v)| parquet.get(*k).is_some_and(|p| p != *v))
+        .take(5)
+        .collect();
+    assert!(
+        missing.is_empty() && extra.is_empty() && differing.is_empty(),
+        "after {kills} kills: missing {missing:?}, extra {extra:?}, differing {differing:?}"
+    );
+    eprintln!(
+        "{kills} SIGKILLs during {rounds} writer transactions ({files_checked} file footers checked); \
+         {} orders and their items equal in current/",
+        source.len()
+    );
+}
