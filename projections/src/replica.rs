@@ -238,6 +238,7 @@ mod tests {
                 } => format!("D {collection}/{key}"),
                 WriteOp::Truncate { collection, .. } => format!("T {collection}"),
                 WriteOp::Invalidate { key, .. } => format!("I {key}"),
+                WriteOp::Flat { change, .. } => format!("F {}", change.schema.table),
             })
             .collect())
     }

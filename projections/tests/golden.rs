@@ -51,6 +51,9 @@ fn run_golden(name: &str, projection: &mut dyn Projection) {
                     WriteOp::Invalidate { key, version, .. } => {
                         json!({"line": i + 1, "invalidate": key, "version": version})
                     }
+                    WriteOp::Flat { change, .. } => {
+                        json!({"line": i + 1, "flat": *change.schema.table, "op": change.op.code()})
+                    }
                 }
                 .to_string(),
             );

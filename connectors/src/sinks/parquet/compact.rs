@@ -23,7 +23,7 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use refract_schemas::Offset;
 use refract_schemas::config::{ParquetSinkConfig, mask_url};
 
-use super::encode::{self, COMMIT_TS, META_GROUP, META_KEY, META_MERGED_THROUGH, OP, POSITION};
+use super::encode::{self, META_GROUP, META_KEY, META_MERGED_THROUGH, OP, POSITION};
 use super::{classify, put};
 use crate::SinkError;
 
@@ -464,7 +464,6 @@ async fn compact_table(
             }
         }
     }
-    let _ = COMMIT_TS;
     Ok(())
 }
 
