@@ -44,16 +44,83 @@ pub struct FlattenProjection {
     max_columns: usize,
     /// Row columns whose string values hold JSON documents that paths go into.
     json_columns: BTreeSet<String>,
+    nodes: Nodes,
     /// Whether the learned schemas changed since [`Projection::take_state`] last returned them.
     dirty: bool,
+}
+
+/// FNV-1a for the short strings (field paths, column names) looked up for every field of every
+/// document: several times faster than SipHash on them. The sets it keys are bounded by the
+/// pipeline file and `max_columns`, so flooding them with colliding names gains nothing.
+#[derive(Default, Clone, Copy)]
+struct Fnv(u64);
+
+impl std::hash::Hasher for Fnv {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        let mut hash = if self.0 == 0 { 0xcbf2_9ce4_8422_2325 } else { self.0 };
+        for &b in bytes {
+            hash ^= u64::from(b);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+        self.0 = hash;
+    }
+}
+
+type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<Fnv>>;
+type FastSet<K> = HashSet<K, std::hash::BuildHasherDefault<Fnv>>;
+
+/// A path with the node its field prefix resolves to (see [`Image`]).
+struct Compiled {
+    path: FieldPath,
+    /// The node of the path's longest prefix without `[]`.
+    node: usize,
+    /// Where the steps after that prefix start.
+    rest: usize,
+}
+
+/// The field prefixes paths share, as a tree: each node is a column (no parent) or a field of
+/// its parent. An event resolves each node once, however many paths go through it.
+#[derive(Default)]
+struct Nodes {
+    nodes: Vec<(Option<usize>, String)>,
+    index: HashMap<(Option<usize>, String), usize>,
+}
+
+impl Nodes {
+    fn compile(&mut self, path: FieldPath) -> Compiled {
+        let mut node = self.intern(None, &path.column);
+        let mut rest = 0;
+        for step in &path.steps {
+            match step {
+                Step::Field(f) => {
+                    node = self.intern(Some(node), f);
+                    rest += 1;
+                }
+                Step::Each => break,
+            }
+        }
+        Compiled { path, node, rest }
+    }
+
+    fn intern(&mut self, parent: Option<usize>, name: &str) -> usize {
+        if let Some(&i) = self.index.get(&(parent, name.to_owned())) {
+            return i;
+        }
+        self.nodes.push((parent, name.to_owned()));
+        self.index.insert((parent, name.to_owned()), self.nodes.len() - 1);
+        self.nodes.len() - 1
+    }
 }
 
 /// Where a declared column's value comes from.
 enum Source {
     /// A path; `element` when it goes into the exploded array's element (steps after it).
-    Path { path: FieldPath, element: bool },
+    Path { path: Compiled, element: bool },
     /// The length of an array.
-    Count(FieldPath),
+    Count(Compiled),
     /// The element's 1-based position.
     LineNo,
 }
@@ -64,11 +131,11 @@ struct ColumnRule {
 }
 
 struct Unmapped {
-    under: FieldPath,
+    under: Compiled,
     mode: UnmappedMode,
     separator: String,
     /// Dotted paths (from the row) that are left out: excluded, mapped by a column, exploded.
-    skip: HashSet<String>,
+    skip: FastSet<String>,
     /// The column of `mode = "json"`.
     column: usize,
 }
@@ -76,11 +143,11 @@ struct Unmapped {
 /// One output table and what was learned of its schema.
 struct Output {
     rules: Vec<ColumnRule>,
-    explode: Option<FieldPath>,
+    explode: Option<Compiled>,
     on_delete: FlatOnDelete,
     unmapped: Option<Unmapped>,
     schema: Arc<FlatSchema>,
-    index: HashMap<String, usize>,
+    index: FastMap<String, usize>,
     /// Unmapped paths seen holding objects (flattened into columns below them).
     object_paths: BTreeSet<String>,
 }
@@ -152,37 +219,45 @@ impl Staged {
     }
 }
 
-/// A row image with the JSON documents its string columns hold, parsed once.
-struct Image<'a> {
-    row: &'a Row,
-    parsed: Vec<(&'a str, Value)>,
-}
-
-impl<'a> Image<'a> {
-    fn new(row: &'a Row, json_columns: &BTreeSet<String>) -> Self {
-        let mut parsed = Vec::new();
-        for column in json_columns {
-            if let Some((name, Value::String(text))) = row.get_key_value(column.as_str()) {
-                if let Ok(value) = serde_json::from_str::<Value>(text) {
-                    if value.is_object() || value.is_array() {
-                        parsed.push((name.as_str(), value));
-                    }
+/// The JSON documents a row's string columns hold (Debezium sends `jsonb` as text), parsed once.
+fn parse_documents(row: &Row, json_columns: &BTreeSet<String>) -> Vec<(String, Value)> {
+    let mut parsed = Vec::new();
+    for column in json_columns {
+        if let Some(Value::String(text)) = row.get(column.as_str()) {
+            if let Ok(value) = serde_json::from_str::<Value>(text) {
+                if value.is_object() || value.is_array() {
+                    parsed.push((column.clone(), value));
                 }
             }
         }
-        Self { row, parsed }
     }
+    parsed
+}
 
-    fn column(&self, name: &str) -> Option<&Value> {
-        match self.parsed.iter().find(|(n, _)| *n == name) {
-            Some((_, v)) => Some(v),
-            None => self.row.get(name),
+/// A row image with every path node resolved once.
+struct Image<'a> {
+    values: Vec<Option<&'a Value>>,
+}
+
+impl<'a> Image<'a> {
+    fn new(row: &'a Row, parsed: &'a [(String, Value)], nodes: &Nodes) -> Self {
+        let mut values: Vec<Option<&'a Value>> = Vec::with_capacity(nodes.nodes.len());
+        for (parent, name) in &nodes.nodes {
+            let value = match parent {
+                None => match parsed.iter().find(|(n, _)| n == name) {
+                    Some((_, v)) => Some(v),
+                    None => row.get(name.as_str()),
+                },
+                Some(p) => values[*p].and_then(|v| v.as_object()?.get(name.as_str())),
+            };
+            values.push(value);
         }
+        Self { values }
     }
 
     /// The first non-null value at `path`.
-    fn first(&self, path: &FieldPath) -> Option<&Value> {
-        first(self.column(&path.column)?, &path.steps)
+    fn first(&self, path: &Compiled) -> Option<&'a Value> {
+        first(self.values[path.node]?, &path.path.steps[path.rest..])
     }
 }
 
@@ -217,6 +292,7 @@ impl FlattenProjection {
     /// Builds the projection from its (validated) configuration.
     pub fn new(config: &FlattenProjectionConfig) -> Self {
         let mut json_columns = BTreeSet::new();
+        let mut nodes = Nodes::default();
         let parse = |text: &str| FieldPath::parse(text).expect("validated path");
         let mut outputs = Vec::with_capacity(config.outputs.len());
         for out in &config.outputs {
@@ -226,7 +302,7 @@ impl FlattenProjection {
                 p.steps.push(Step::Each);
                 p
             });
-            let mut skip: HashSet<String> = HashSet::new();
+            let mut skip: FastSet<String> = FastSet::default();
             let mut rules = Vec::with_capacity(out.columns.len());
             let mut columns = Vec::with_capacity(out.columns.len() + 1);
             for col in &out.columns {
@@ -234,11 +310,14 @@ impl FlattenProjection {
                     let path = parse(p);
                     skip.insert(field_prefix(&path));
                     let element = element.as_ref().is_some_and(|e| path.starts_with(e));
-                    Source::Path { path, element }
+                    Source::Path {
+                        path: nodes.compile(path),
+                        element,
+                    }
                 } else if let Some(p) = &col.count {
                     let path = parse(p);
                     skip.insert(field_prefix(&path));
-                    Source::Count(path)
+                    Source::Count(nodes.compile(path))
                 } else {
                     Source::LineNo
                 };
@@ -248,8 +327,8 @@ impl FlattenProjection {
                     _ => None,
                 };
                 if let Source::Path { path, .. } | Source::Count(path) = &source {
-                    if !path.steps.is_empty() {
-                        json_columns.insert(path.column.clone());
+                    if !path.path.steps.is_empty() {
+                        json_columns.insert(path.path.column.clone());
                     }
                 }
                 columns.push(FlatColumn {
@@ -264,9 +343,10 @@ impl FlattenProjection {
                     json_columns.insert(e.column.clone());
                 }
             }
+            let explode = explode.map(|e| nodes.compile(e));
             let unmapped = out.unmapped.as_ref().map(|u: &UnmappedConfig| {
-                let under = parse(&u.under);
-                json_columns.insert(under.column.clone());
+                let under = nodes.compile(parse(&u.under));
+                json_columns.insert(under.path.column.clone());
                 skip.extend(u.exclude.iter().map(|e| field_prefix(&parse(e))));
                 let column = columns.len();
                 if u.mode == UnmappedMode::Json {
@@ -328,6 +408,7 @@ impl FlattenProjection {
             outputs,
             max_columns: config.max_columns,
             json_columns,
+            nodes,
             dirty: false,
         }
     }
@@ -386,14 +467,17 @@ impl FlattenProjection {
                 Source::Path { path, element: e } => {
                     let found = match (e, element) {
                         (true, Some((_, el))) => {
-                            let depth = output.explode.as_ref().map_or(0, |x| x.steps.len() + 1);
-                            first(el, &path.steps[depth..])
+                            let depth = output
+                                .explode
+                                .as_ref()
+                                .map_or(0, |x| x.path.steps.len() + 1);
+                            first(el, &path.path.steps[depth..])
                         }
                         _ => image.first(path),
                     };
                     let original = found.unwrap_or(&Value::Null);
                     self.value(output, i, rule, original, staged).map_err(|e| {
-                        format!("column `{}` ({path}): {e}", output.schema.columns[i].name)
+                        format!("column `{}` ({}): {e}", output.schema.columns[i].name, path.path)
                     })?
                 }
             };
@@ -411,13 +495,13 @@ impl FlattenProjection {
             if let Some(Value::Object(fields)) = image.first(&u.under) {
                 match u.mode {
                     UnmappedMode::Flatten => {
-                        let mut dotted = u.under.to_string();
+                        let mut dotted = u.under.path.to_string();
                         let mut name = String::new();
                         self.walk(output, u, fields, &mut dotted, &mut name, &mut row, staged)?;
                     }
                     UnmappedMode::Json => {
                         let mut kept = Map::new();
-                        let mut dotted = u.under.to_string();
+                        let mut dotted = u.under.path.to_string();
                         collect(u, fields, &mut dotted, "", &mut kept);
                         if !kept.is_empty() {
                             row.push((u.column, FlatValue::Str(Value::Object(kept).to_string())));
@@ -707,7 +791,7 @@ impl Projection for FlattenProjection {
             };
             for &k in keys {
                 if let Source::Path { path, .. } = &output.rules[k].source {
-                    columns.insert(path.column.clone());
+                    columns.insert(path.path.column.clone());
                 }
             }
         }
@@ -743,7 +827,8 @@ impl Projection for FlattenProjection {
                         "a delete without the old row or key".into(),
                     ));
                 };
-                let image = Image::new(row, &self.json_columns);
+                let parsed = parse_documents(row, &self.json_columns);
+                let image = Image::new(row, &parsed, &self.nodes);
                 for output in &self.outputs {
                     let mut s = Staged::default();
                     if deleting(output) {
@@ -765,11 +850,13 @@ impl Projection for FlattenProjection {
                         "a change without the new row".into(),
                     ));
                 };
-                let image = Image::new(after, &self.json_columns);
+                let parsed = parse_documents(after, &self.json_columns);
+                let image = Image::new(after, &parsed, &self.nodes);
                 let old = event
                     .before
                     .as_deref()
-                    .map(|b| Image::new(b, &self.json_columns));
+                    .map(|b| (b, parse_documents(b, &self.json_columns)));
+                let old = old.as_ref().map(|(b, parsed)| Image::new(b, parsed, &self.nodes));
                 for output in &self.outputs {
                     let mut s = self
                         .stage_upsert(output, &image)

@@ -210,7 +210,7 @@ fn write_file(
         .map_err(|e| e.to_string())
 }
 
-/// Rebuilds `current/` of every table under the sink's URL.
+/// Rebuilds `current/` of every table under the sink's URL (tables in parallel).
 pub async fn compact(sink: &str, config: &ParquetSinkConfig) -> Result<CompactReport, SinkError> {
     let (store, root) = crate::sinks::object_json::open_store(&config.url).map_err(|message| {
         SinkError::Permanent {
@@ -226,74 +226,164 @@ pub async fn compact(sink: &str, config: &ParquetSinkConfig) -> Result<CompactRe
     for f in files {
         by_table.entry(f.table.clone()).or_default().push(f);
     }
+    let tables = by_table.into_iter().map(|(table, files)| {
+        let (store, root) = (store.clone(), root.clone());
+        async move {
+            compact_table(store, &root, &table, &files, config)
+                .await
+                .map_err(|message| SinkError::Transient {
+                    sink: sink.to_owned(),
+                    message: format!("cannot compact `{table}`: {message}"),
+                    source: None,
+                })
+        }
+    });
     let mut report = CompactReport::default();
-    for (table, files) in by_table {
-        compact_table(&*store, &root, &table, &files, config, &mut report)
-            .await
-            .map_err(|message| SinkError::Transient {
-                sink: sink.to_owned(),
-                message: format!("cannot compact `{table}`: {message}"),
-                source: None,
-            })?;
+    for r in futures::future::try_join_all(tables).await? {
+        report.tables += r.tables;
+        report.rows += r.rows;
+        report.files_read += r.files_read;
+        report.files_deleted += r.files_deleted;
     }
     Ok(report)
 }
 
-/// One winning row: its position and where it is.
-struct Winner {
-    position: String,
-    delete: bool,
-    rows: Vec<(usize, usize)>,
+/// Decodes a whole Parquet file: its Arrow schema and record batches.
+fn decode(path: &Path, bytes: bytes::Bytes) -> Result<(SchemaRef, Vec<RecordBatch>), String> {
+    let builder =
+        ParquetRecordBatchReaderBuilder::try_new(bytes).map_err(|e| format!("{path}: {e}"))?;
+    let schema = builder.schema().clone();
+    let reader = builder
+        .with_batch_size(READ_BATCH_ROWS)
+        .build()
+        .map_err(|e| format!("{path}: {e}"))?;
+    let batches = reader
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{path}: {e}"))?;
+    Ok((schema, batches))
 }
 
 async fn compact_table(
-    store: &dyn ObjectStore,
+    store: Arc<dyn ObjectStore>,
     root: &Path,
     table: &str,
     files: &[ChangeFile],
     config: &ParquetSinkConfig,
-    report: &mut CompactReport,
-) -> Result<(), String> {
+) -> Result<CompactReport, String> {
+    let mut report = CompactReport::default();
     let current = root
         .clone()
         .join(table)
         .join("current")
         .join("part-0.parquet");
-    let mut batches: Vec<RecordBatch> = Vec::new();
-    let mut merged_through = String::new();
-    let mut metadata: HashMap<String, String> = HashMap::new();
-    match read(store, &current).await {
-        Ok((schema, previous)) => {
-            merged_through = schema
-                .metadata()
-                .get(META_MERGED_THROUGH)
-                .cloned()
-                .unwrap_or_default();
-            metadata = schema.metadata().clone();
-            batches.extend(previous);
-        }
-        Err(e) if e.contains("not found") || e.contains("NotFound") => {}
-        Err(e) => return Err(e),
-    }
-    let previous_batches = batches.len();
-    let mut newest = merged_through.clone();
+    let previous = match store.get(&current).await {
+        Ok(r) => Some(r.bytes().await.map_err(|e| e.to_string())?),
+        Err(object_store::Error::NotFound { .. }) => None,
+        Err(e) => return Err(e.to_string()),
+    };
+    // What the previous state merged is known from its footer: read it before fetching the log.
+    let merged_through = match &previous {
+        Some(bytes) => ParquetRecordBatchReaderBuilder::try_new(bytes.clone())
+            .map_err(|e| format!("{current}: {e}"))?
+            .schema()
+            .metadata()
+            .get(META_MERGED_THROUGH)
+            .cloned()
+            .unwrap_or_default(),
+        None => String::new(),
+    };
+    let mut fetched = Vec::new();
     for file in files {
         if !merged_through.is_empty() && encode::position_text(file.last) <= merged_through {
             continue;
         }
-        let (schema, read_batches) = read(store, &file.path).await?;
-        report.files_read += 1;
+        let bytes = store
+            .get(&file.path)
+            .await
+            .map_err(|e| e.to_string())?
+            .bytes()
+            .await
+            .map_err(|e| e.to_string())?;
+        fetched.push((file.path.clone(), bytes));
+    }
+    if fetched.is_empty() && previous.is_some() {
+        return Ok(report);
+    }
+    report.files_read = fetched.len() as u64;
+    let (current_path, level, rows_per_group) =
+        (current.clone(), config.zstd_level, config.row_group_rows);
+    let merged = tokio::task::spawn_blocking(move || {
+        merge(
+            previous.map(|b| (current_path, b)),
+            fetched,
+            &merged_through,
+            level,
+            rows_per_group,
+        )
+    })
+    .await
+    .map_err(|e| format!("the merge task failed: {e}"))??;
+    put(&*store, &current, merged.bytes)
+        .await
+        .map_err(|e| e.to_string())?;
+    report.tables = 1;
+    report.rows = merged.rows as u64;
+    tracing::debug!(table, rows = merged.rows, "current state rebuilt");
+    if config.change_retention_days > 0 {
+        let cutoff = chrono::Utc::now().date_naive()
+            - chrono::Days::new(u64::from(config.change_retention_days));
+        let cutoff = cutoff.format("%Y-%m-%d").to_string();
+        for file in files {
+            if file.date < cutoff && encode::position_text(file.last) <= merged.through {
+                match store.delete(&file.path).await {
+                    Ok(()) | Err(object_store::Error::NotFound { .. }) => report.files_deleted += 1,
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// A merged current state.
+struct Merged {
+    bytes: bytes::Bytes,
+    rows: usize,
+    /// The newest position merged.
+    through: String,
+}
+
+/// Merges the previous current state with the change-log files past it (CPU work: decoding,
+/// hashing keys, gathering rows, encoding).
+fn merge(
+    previous: Option<(Path, bytes::Bytes)>,
+    changes: Vec<(Path, bytes::Bytes)>,
+    merged_through: &str,
+    zstd_level: i32,
+    row_group_rows: usize,
+) -> Result<Merged, String> {
+    let mut batches: Vec<RecordBatch> = Vec::new();
+    let mut metadata: HashMap<String, String> = HashMap::new();
+    if let Some((path, bytes)) = previous {
+        let (schema, read) = decode(&path, bytes)?;
+        metadata = schema.metadata().clone();
+        batches.extend(read);
+    }
+    let previous_batches = batches.len();
+    let mut newest = merged_through.to_owned();
+    for (path, bytes) in changes {
+        let (schema, read) = decode(&path, bytes)?;
         metadata.extend(
             schema
                 .metadata()
                 .iter()
                 .map(|(k, v)| (k.clone(), v.clone())),
         );
-        for b in read_batches {
+        for b in read {
             let b = if merged_through.is_empty() {
                 Some(b)
             } else {
-                rows_through(&b, &merged_through, true)?
+                rows_through(&b, merged_through, true)?
             };
             if let Some(b) = b {
                 if let Some(max) = string_column(&b, POSITION)?.iter().flatten().max() {
@@ -304,9 +394,6 @@ async fn compact_table(
                 batches.push(b);
             }
         }
-    }
-    if batches.len() == previous_batches && previous_batches > 0 {
-        return Ok(());
     }
     let names = |key: &str| -> Vec<String> {
         metadata
@@ -338,80 +425,101 @@ async fn compact_table(
             }
         }
     }
-    // Winners per key (or group).
-    let by = if group.is_empty() { &key } else { &group };
-    let mut winners: HashMap<String, Winner> = HashMap::new();
-    let mut truncated = String::new();
-    for (bi, b) in batches.iter().enumerate() {
-        let positions = string_column(b, POSITION)?;
-        let ops = if bi < previous_batches {
-            None
-        } else {
-            Some(string_column(b, OP)?)
-        };
-        let key_columns: Vec<Option<&ArrayRef>> = by.iter().map(|k| b.column_by_name(k)).collect();
-        for r in 0..b.num_rows() {
-            let position = positions.value(r);
-            let op = ops.map_or("u", |o| o.value(r));
-            if op == "t" {
-                if *position > *truncated {
-                    truncated = position.to_owned();
-                }
+    let positions: Vec<&StringArray> = batches
+        .iter()
+        .map(|b| string_column(b, POSITION))
+        .collect::<Result<_, _>>()?;
+    let ops: Vec<Option<&StringArray>> = batches
+        .iter()
+        .enumerate()
+        .map(|(bi, b)| {
+            if bi < previous_batches {
+                Ok(None)
+            } else {
+                string_column(b, OP).map(Some)
+            }
+        })
+        .collect::<Result<_, _>>()?;
+    let columns_of = |names: &[String]| -> Vec<Vec<Option<ArrayRef>>> {
+        batches
+            .iter()
+            .map(|b| names.iter().map(|k| b.column_by_name(k).cloned()).collect())
+            .collect()
+    };
+    // Winners per key (or, in an exploded table, per group): the row with the newest position.
+    let by = columns_of(if group.is_empty() { &key } else { &group });
+    let numbers: Vec<Vec<u128>> = positions
+        .iter()
+        .map(|p| p.iter().map(|t| t.map_or(0, position_number)).collect())
+        .collect();
+    let mut winners: PrehashedMap<(u32, u32)> = PrehashedMap::default();
+    let mut truncated = 0u128;
+    for bi in 0..batches.len() {
+        let op = ops[bi];
+        for r in 0..batches[bi].num_rows() {
+            let position = numbers[bi][r];
+            if op.is_some_and(|o| o.value(r) == "t") {
+                truncated = truncated.max(position);
                 continue;
             }
-            let k = row_key(&key_columns, r);
-            let delete = op == "d";
+            let k = row_hash(&by[bi], r);
             match winners.get_mut(&k) {
-                Some(w) if *w.position > *position => {}
-                Some(w) if *w.position == *position => {
-                    if !delete {
-                        w.rows.push((bi, r));
+                Some((wb, wr)) => {
+                    if numbers[*wb as usize][*wr as usize] < position {
+                        (*wb, *wr) = (bi as u32, r as u32);
                     }
                 }
-                _ => {
-                    winners.insert(
-                        k,
-                        Winner {
-                            position: position.to_owned(),
-                            delete,
-                            rows: if delete { Vec::new() } else { vec![(bi, r)] },
-                        },
-                    );
+                None => {
+                    winners.insert(k, (bi as u32, r as u32));
                 }
             }
         }
     }
+    let is_upsert = |bi: usize, r: usize| ops[bi].is_none_or(|o| o.value(r) == "u");
     let mut picked: Vec<(usize, usize)> = Vec::new();
-    let mut winners: Vec<Winner> = winners
-        .into_values()
-        .filter(|w| !w.delete && *w.position > *truncated)
-        .collect();
-    winners.sort_by(|a, b| a.position.cmp(&b.position));
-    for w in winners {
-        if group.is_empty() {
-            picked.push(w.rows[0]);
-        } else {
-            // Several copies of one change (a replayed file): each row of the group once.
-            let mut seen = std::collections::HashSet::new();
-            for (bi, r) in w.rows {
-                let cols: Vec<Option<&ArrayRef>> =
-                    key.iter().map(|k| batches[bi].column_by_name(k)).collect();
-                if seen.insert(row_key(&cols, r)) {
+    if group.is_empty() {
+        picked.extend(
+            winners
+                .into_values()
+                .map(|(b, r)| (b as usize, r as usize))
+                .filter(|&(b, r)| is_upsert(b, r) && numbers[b][r] > truncated),
+        );
+        picked.sort_unstable();
+    } else {
+        // Every upsert row of a group at the group's newest position, each key once (a
+        // replayed file may hold the same change twice).
+        let full = columns_of(&key);
+        let mut seen: PrehashedMap<()> = PrehashedMap::default();
+        for bi in 0..batches.len() {
+            for r in 0..batches[bi].num_rows() {
+                if !is_upsert(bi, r) {
+                    continue;
+                }
+                let position = numbers[bi][r];
+                let Some(&(wb, wr)) = winners.get(&row_hash(&by[bi], r)) else {
+                    continue;
+                };
+                let winning = numbers[wb as usize][wr as usize];
+                if position == winning
+                    && position > truncated
+                    && is_upsert(wb as usize, wr as usize)
+                    && seen.insert(row_hash(&full[bi], r), ()).is_none()
+                {
                     picked.push((bi, r));
                 }
             }
         }
     }
-    // Unify every batch to the final columns, then gather the winners.
     let mut out_metadata: HashMap<String, String> =
         HashMap::from([(META_KEY.to_owned(), key.join(","))]);
     if !group.is_empty() {
         out_metadata.insert(META_GROUP.to_owned(), group.join(","));
     }
-    out_metadata.insert(META_MERGED_THROUGH.to_owned(), newest);
+    out_metadata.insert(META_MERGED_THROUGH.to_owned(), newest.clone());
     if let Some(v) = metadata.get(encode::META_SCHEMA_VERSION) {
         out_metadata.insert(encode::META_SCHEMA_VERSION.to_owned(), v.clone());
     }
+    // Unify every batch to the final columns, then gather the winners.
     let schema: SchemaRef = Arc::new(Schema::new_with_metadata(fields.clone(), out_metadata));
     let unified: Vec<RecordBatch> = batches
         .iter()
@@ -428,76 +536,88 @@ async fn compact_table(
         .collect::<Result<_, _>>()?;
     let refs: Vec<&RecordBatch> = unified.iter().collect();
     let mut out = Vec::new();
-    for chunk in picked.chunks(config.row_group_rows.max(1)) {
+    for chunk in picked.chunks(row_group_rows.max(1)) {
         out.push(
             arrow_select::interleave::interleave_record_batch(&refs, chunk)
                 .map_err(|e| e.to_string())?,
         );
     }
-    let rows: usize = out.iter().map(RecordBatch::num_rows).sum();
+    let rows = picked.len();
     let bytes = write_file(
         &schema,
         &out,
-        encode::properties(config.zstd_level, config.row_group_rows),
+        encode::properties(zstd_level, row_group_rows),
     )?;
-    put(store, &current, bytes)
-        .await
-        .map_err(|e| e.to_string())?;
-    report.tables += 1;
-    report.rows += rows as u64;
-    tracing::debug!(table, rows, "current state rebuilt");
-    if config.change_retention_days > 0 {
-        let cutoff = chrono::Utc::now().date_naive()
-            - chrono::Days::new(u64::from(config.change_retention_days));
-        let cutoff = cutoff.format("%Y-%m-%d").to_string();
-        let merged = schema
-            .metadata()
-            .get(META_MERGED_THROUGH)
-            .cloned()
-            .unwrap_or_default();
-        for file in files {
-            if file.date < cutoff && encode::position_text(file.last) <= merged {
-                match store.delete(&file.path).await {
-                    Ok(()) | Err(object_store::Error::NotFound { .. }) => report.files_deleted += 1,
-                    Err(e) => return Err(e.to_string()),
-                }
-            }
-        }
-    }
-    Ok(())
+    Ok(Merged {
+        bytes,
+        rows,
+        through: newest,
+    })
 }
 
-/// The text of a row's key, for grouping (values joined by a unit separator).
-fn row_key(columns: &[Option<&ArrayRef>], row: usize) -> String {
+/// A 128-bit FNV-1a hash of a row's values in `columns`: keys are compared by hash, and a
+/// collision among billions of keys is negligible (the data is not adversarial).
+fn row_hash(columns: &[Option<ArrayRef>], row: usize) -> u128 {
     use arrow_array::cast::AsArray;
     use arrow_array::types::{Date32Type, Float64Type, Int64Type, TimestampMicrosecondType};
-    let mut key = String::new();
-    for (i, column) in columns.iter().enumerate() {
-        if i > 0 {
-            key.push('\u{1f}');
+    const PRIME: u128 = 0x0000_0000_0100_0000_0000_0000_0000_013B;
+    let mut hash: u128 = 0x6c62_272e_07bb_0142_62b8_2175_6295_c58d;
+    let mut feed = |bytes: &[u8], tag: u8| {
+        for &b in std::iter::once(&tag).chain(bytes) {
+            hash ^= u128::from(b);
+            hash = hash.wrapping_mul(PRIME);
         }
-        let Some(c) = column else { continue };
+    };
+    for column in columns {
+        let Some(c) = column else {
+            feed(&[], 0);
+            continue;
+        };
         if c.is_null(row) {
-            key.push('\u{0}');
+            feed(&[], 1);
             continue;
         }
         match c.data_type() {
-            DataType::Utf8 => key.push_str(c.as_string::<i32>().value(row)),
-            DataType::Int64 => key.push_str(&c.as_primitive::<Int64Type>().value(row).to_string()),
-            DataType::Float64 => {
-                key.push_str(&c.as_primitive::<Float64Type>().value(row).to_string())
-            }
-            DataType::Boolean => key.push_str(if c.as_boolean().value(row) { "t" } else { "f" }),
-            DataType::Date32 => {
-                key.push_str(&c.as_primitive::<Date32Type>().value(row).to_string())
-            }
-            DataType::Timestamp(..) => key.push_str(
+            DataType::Utf8 => feed(c.as_string::<i32>().value(row).as_bytes(), 2),
+            DataType::Int64 => feed(&c.as_primitive::<Int64Type>().value(row).to_le_bytes(), 3),
+            DataType::Float64 => feed(&c.as_primitive::<Float64Type>().value(row).to_le_bytes(), 4),
+            DataType::Boolean => feed(&[u8::from(c.as_boolean().value(row))], 5),
+            DataType::Date32 => feed(&c.as_primitive::<Date32Type>().value(row).to_le_bytes(), 6),
+            DataType::Timestamp(..) => feed(
                 &c.as_primitive::<TimestampMicrosecondType>()
                     .value(row)
-                    .to_string(),
+                    .to_le_bytes(),
+                7,
             ),
-            _ => key.push('?'),
+            _ => feed(&[], 8),
         }
     }
-    key
+    hash
+}
+
+/// Hashes `u128` keys that are hashes already: their low bits are the hash.
+#[derive(Default)]
+struct Prehashed(u64);
+
+impl std::hash::Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) | u64::from(b);
+        }
+    }
+    fn write_u128(&mut self, v: u128) {
+        self.0 = v as u64;
+    }
+}
+
+type PrehashedMap<V> = HashMap<u128, V, std::hash::BuildHasherDefault<Prehashed>>;
+
+/// A `_position` text (`{major:020}.{minor:020}`) as one number that sorts the same.
+fn position_number(text: &str) -> u128 {
+    let (major, minor) = text.split_once('.').unwrap_or((text, "0"));
+    (u128::from(major.parse::<u64>().unwrap_or(0)) << 64)
+        | u128::from(minor.parse::<u64>().unwrap_or(0))
 }
