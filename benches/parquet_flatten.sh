@@ -73,7 +73,10 @@ python3 - "$work" "$docs" <<'PY'
 import glob, json, os, re, sys
 import pyarrow.parquet as pq
 work, docs = sys.argv[1], int(sys.argv[2])
-records = json.load(open(os.path.join(work, "summary.json")))["records"]
+summary = json.load(open(os.path.join(work, "summary.json")))
+records = summary["records"]
+# The summary's elapsed time ends when the change log is published, before compaction.
+log_secs = float(summary["elapsed"])
 if records != docs:
     sys.exit(f"refract read {records} of {docs} envelopes")
 secs, rss_kib = open(os.path.join(work, "time")).read().split()[-2:]
@@ -85,6 +88,8 @@ rate = docs / secs
 print(f"\nrefract: {docs} docs in {secs:.2f} s = {rate:.0f} docs/s")
 print(f"pyarrow: {docs} docs in {p_secs:.2f} s = {p_rate:.0f} docs/s")
 print(f"flatten to parquet: {rate:.0f} docs/s / pyarrow {p_rate:.0f} docs/s = {rate / p_rate:.2f}x")
+print(f"  of which the change log: {log_secs:.2f} s ({docs / log_secs:.0f} docs/s / pyarrow = {docs / log_secs / p_rate:.2f}x), "
+      f"compaction into current/: {secs - log_secs:.2f} s")
 print(f"peak RSS: refract {rss_mib:.1f} MiB, pyarrow {p_rss}")
 
 rows = lambda files: sum(pq.ParquetFile(f).metadata.num_rows for f in files)

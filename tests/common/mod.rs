@@ -222,6 +222,10 @@ fn read_documents(out: &Path, strict: bool) -> BTreeMap<(String, String), Value>
         let name = collection.file_name().to_string_lossy().into_owned();
         for file in std::fs::read_dir(collection.path()).unwrap() {
             let file = file.unwrap();
+            // Not a collection of documents (the demo's Parquet tables under out/analytics).
+            if file.file_type().unwrap().is_dir() {
+                continue;
+            }
             let fname = file.file_name().to_string_lossy().into_owned();
             if !strict && !fname.ends_with(".json") {
                 continue;

@@ -386,7 +386,7 @@ pub async fn run(
             // are rebuilt so that they hold everything this run wrote.
             if !stopped_by_signal {
                 for (sink, report) in compact(config).await.map_err(RunError::Sink)? {
-                    summary.notices.push(format!(
+                    summary.compacted.push(format!(
                         "sink `{sink}`: current state of {} table(s) rebuilt ({} rows, {} change file(s) merged)",
                         report.tables, report.rows, report.files_read
                     ));

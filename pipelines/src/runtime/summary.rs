@@ -37,6 +37,8 @@ pub struct RunSummary {
     pub stopped_by_signal: bool,
     /// What sinks had to tell at the end (a fallback they used, say).
     pub notices: Vec<String>,
+    /// Current-state tables rebuilt at the end of the run, per Parquet sink.
+    pub compacted: Vec<String>,
     #[serde(skip)]
     sink_names: Vec<String>,
     /// Per-op counters on the hot path, folded into `changes` by [`RunSummary::finish`].
@@ -71,6 +73,7 @@ impl RunSummary {
             elapsed: Duration::ZERO,
             stopped_by_signal: false,
             notices: Vec::new(),
+            compacted: Vec::new(),
             sink_names,
             op_counts: [0; 5],
         }
@@ -182,6 +185,9 @@ impl RunSummary {
                 cp.join(", ")
             }
         ));
+        for line in &self.compacted {
+            out.push_str(&format!("compacted      {line}\n"));
+        }
         for notice in &self.notices {
             out.push_str(&format!("NOTE           {notice}\n"));
         }
