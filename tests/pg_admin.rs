@@ -274,7 +274,10 @@ fn plan_reports_the_slot_when_it_exists_and_when_it_is_absent() {
         &[],
         "create = false",
     );
+    // A table of the database the publication does not cover (whatever other tests left).
+    psql("CREATE TABLE IF NOT EXISTS public.adm_slot_other (id int PRIMARY KEY)");
     let out = plan(&strict);
+    psql("DROP TABLE IF EXISTS public.adm_slot_other");
     assert!(
         warnings(&out).iter().any(|w| w.contains(
             "slot `refract_adm_slot` does not exist and `create = false`: `refract run` will fail"
