@@ -12,6 +12,7 @@ use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
+use parquet::schema::types::ColumnPath;
 use refract_projections::flatten::{FlatChange, FlatSchema, FlatType, FlatValue};
 use refract_schemas::Offset;
 
@@ -33,7 +34,21 @@ pub(crate) const META_MERGED_THROUGH: &str = "refract.merged_through";
 
 /// The text of a position in `_position` and file names: sorts like the position.
 pub(crate) fn position_text(offset: Offset) -> String {
-    format!("{:020}.{:020}", offset.0, offset.1)
+    let mut text = String::with_capacity(41);
+    push_padded(&mut text, offset.0);
+    text.push('.');
+    push_padded(&mut text, offset.1);
+    text
+}
+
+/// Appends `n` as 20 zero-padded digits (what `{:020}` prints, without the formatter).
+fn push_padded(text: &mut String, mut n: u64) {
+    let mut digits = [b'0'; 20];
+    for d in digits.iter_mut().rev() {
+        *d = b'0' + (n % 10) as u8;
+        n /= 10;
+    }
+    text.push_str(std::str::from_utf8(&digits).expect("ASCII digits"));
 }
 
 /// Arrow type of a flat column; timestamps are UTC microseconds.
@@ -170,8 +185,9 @@ pub(crate) fn record_batch(
     for row in rows {
         op.append_value(row.change.op.code());
         text.clear();
-        use std::fmt::Write;
-        let _ = write!(text, "{:020}.{:020}", row.position.0, row.position.1);
+        push_padded(&mut text, row.position.0);
+        text.push('.');
+        push_padded(&mut text, row.position.1);
         position.append_value(&text);
         commit.append_option(row.change.commit_ts_ms.map(|ms| ms.saturating_mul(1000)));
         for (i, column) in columns.iter_mut().enumerate() {
@@ -186,13 +202,17 @@ pub(crate) fn record_batch(
     RecordBatch::try_new(arrow.clone(), arrays)
 }
 
-/// Writer properties: zstd at `level`, `row_group_rows` rows per row group.
+/// Writer properties: zstd at `level`, `row_group_rows` rows per row group. `_position` and
+/// `_commit_ts` are nearly unique per row: a dictionary would only cost time before Parquet
+/// gives up on it.
 pub(crate) fn properties(level: i32, row_group_rows: usize) -> WriterProperties {
     WriterProperties::builder()
         .set_compression(Compression::ZSTD(
             ZstdLevel::try_new(level).unwrap_or_default(),
         ))
         .set_max_row_group_row_count(Some(row_group_rows))
+        .set_column_dictionary_enabled(ColumnPath::from(POSITION), false)
+        .set_column_dictionary_enabled(ColumnPath::from(COMMIT_TS), false)
         .build()
 }
 
