@@ -218,14 +218,26 @@ fn the_demo_runs_to_completion_without_services() {
         .arg(out_dir.join("analytics"))
         .output()
         .expect("python3 runs");
-    assert!(read.status.success(), "{}", String::from_utf8_lossy(&read.stderr));
+    assert!(
+        read.status.success(),
+        "{}",
+        String::from_utf8_lossy(&read.stderr)
+    );
     let analytics: serde_json::Value = serde_json::from_slice(&read.stdout).unwrap();
     assert_eq!(analytics["bad_files"], serde_json::json!([]));
     assert_eq!(
-        analytics["tables"]["orders"]["current"].as_array().unwrap().len(),
+        analytics["tables"]["orders"]["current"]
+            .as_array()
+            .unwrap()
+            .len(),
         count("customer_orders")
     );
-    assert!(!analytics["tables"]["order_items"]["current"].as_array().unwrap().is_empty());
+    assert!(
+        !analytics["tables"]["order_items"]["current"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
     // The wrapped `orders` events had their logical types converted.
     let order = docs.iter().find(|((c, _), _)| c == "orders").unwrap().1;
     assert!(

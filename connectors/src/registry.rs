@@ -6,6 +6,7 @@ use refract_schemas::config::{SinkConfig, SourceConfig};
 use crate::sinks::null::NullSink;
 use crate::sinks::object_json::ObjectJsonSink;
 use crate::sinks::parquet::ParquetSink;
+use crate::sinks::postgres::PostgresSink;
 use crate::sinks::redis::RedisSink;
 use crate::sources::file::FileSource;
 use crate::sources::postgres::source::PostgresSource;
@@ -25,6 +26,7 @@ pub fn build_sink(name: &str, config: &SinkConfig) -> Box<dyn Sink> {
         SinkConfig::ObjectJson(c) => Box::new(ObjectJsonSink::new(name, c.clone())),
         SinkConfig::Redis(c) => Box::new(RedisSink::new(name, c.clone())),
         SinkConfig::Parquet(c) => Box::new(ParquetSink::new(name, c.clone())),
+        SinkConfig::Postgres(c) => Box::new(PostgresSink::new(name, c.clone())),
         SinkConfig::Null(_) => Box::new(NullSink::new(name)),
     }
 }

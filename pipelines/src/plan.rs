@@ -265,6 +265,17 @@ pub fn render(loaded: &LoadedPipeline, check: &SourceCheck) -> String {
                     p.roll_ms / 1000
                 );
             }
+            SinkConfig::Postgres(p) => {
+                let _ = writeln!(
+                    out,
+                    "writes `{name}` (postgres): {} table {}.{} (id, doc jsonb, source_position; created when missing), \
+                     one transaction per batch, {} documents per upsert, guarded by source position",
+                    show(&format!("sinks.{name}.url"), &p.url),
+                    p.schema,
+                    p.table,
+                    p.rows_per_statement
+                );
+            }
             SinkConfig::Null(_) => {
                 let _ = writeln!(out, "writes `{name}` (null): discards everything");
             }

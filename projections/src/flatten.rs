@@ -60,7 +60,11 @@ impl std::hash::Hasher for Fnv {
         self.0
     }
     fn write(&mut self, bytes: &[u8]) {
-        let mut hash = if self.0 == 0 { 0xcbf2_9ce4_8422_2325 } else { self.0 };
+        let mut hash = if self.0 == 0 {
+            0xcbf2_9ce4_8422_2325
+        } else {
+            self.0
+        };
         for &b in bytes {
             hash ^= u64::from(b);
             hash = hash.wrapping_mul(0x0100_0000_01b3);
@@ -110,7 +114,8 @@ impl Nodes {
             return i;
         }
         self.nodes.push((parent, name.to_owned()));
-        self.index.insert((parent, name.to_owned()), self.nodes.len() - 1);
+        self.index
+            .insert((parent, name.to_owned()), self.nodes.len() - 1);
         self.nodes.len() - 1
     }
 }
@@ -477,7 +482,10 @@ impl FlattenProjection {
                     };
                     let original = found.unwrap_or(&Value::Null);
                     self.value(output, i, rule, original, staged).map_err(|e| {
-                        format!("column `{}` ({}): {e}", output.schema.columns[i].name, path.path)
+                        format!(
+                            "column `{}` ({}): {e}",
+                            output.schema.columns[i].name, path.path
+                        )
                     })?
                 }
             };
@@ -856,7 +864,9 @@ impl Projection for FlattenProjection {
                     .before
                     .as_deref()
                     .map(|b| (b, parse_documents(b, &self.json_columns)));
-                let old = old.as_ref().map(|(b, parsed)| Image::new(b, parsed, &self.nodes));
+                let old = old
+                    .as_ref()
+                    .map(|(b, parsed)| Image::new(b, parsed, &self.nodes));
                 for output in &self.outputs {
                     let mut s = self
                         .stage_upsert(output, &image)

@@ -3,4 +3,5 @@
 pub mod null;
 pub mod object_json;
 pub mod parquet;
+pub mod postgres;
 pub mod redis;

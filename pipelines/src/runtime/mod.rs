@@ -343,6 +343,7 @@ pub async fn run(
             SinkConfig::ObjectJson(o) => mask_url(&o.url),
             SinkConfig::Redis(r) => mask_url(&r.url),
             SinkConfig::Parquet(p) => mask_url(&p.url),
+            SinkConfig::Postgres(p) => format!("{} ({}.{})", mask_url(&p.url), p.schema, p.table),
             SinkConfig::Null(_) => "discarded".to_owned(),
         };
         processor

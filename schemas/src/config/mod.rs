@@ -511,6 +511,8 @@ pub enum SinkConfig {
     Redis(RedisSinkConfig),
     /// Parquet change logs and current-state tables on object storage (flat rows only).
     Parquet(ParquetSinkConfig),
+    /// PostgreSQL tables of JSONB documents, one per collection.
+    Postgres(PostgresSinkConfig),
     /// Discards everything (benchmarks, dry runs).
     Null(NullSinkConfig),
 }
@@ -686,6 +688,41 @@ fn default_roll_ms() -> u64 {
 }
 fn default_compact_interval_ms() -> u64 {
     DEFAULT_COMPACT_INTERVAL_MS
+}
+
+/// `kind = "postgres"`: documents as rows `(id text PRIMARY KEY, doc jsonb NOT NULL,
+/// source_position text, updated_at timestamptz)` of `{schema}.{table}`, one table per
+/// collection, created when missing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PostgresSinkConfig {
+    /// Connection URL (`${TARGET_PG_URL:-${PG_URL:-postgres://…}}` in shipped files).
+    pub url: String,
+    /// Schema of the read-model tables (created when missing).
+    #[serde(default = "default_read_model_schema")]
+    pub schema: String,
+    /// Table name of a collection; `{collection}` is replaced.
+    #[serde(default = "default_read_model_table")]
+    pub table: String,
+    /// Documents per upsert statement, 1 to 100,000.
+    #[serde(default = "default_rows_per_statement")]
+    pub rows_per_statement: usize,
+}
+
+fn default_read_model_schema() -> String {
+    "read_models".into()
+}
+
+fn default_read_model_table() -> String {
+    "{collection}".into()
+}
+
+/// Default documents per upsert statement: a few MiB of JSONB per round trip, past which larger
+/// statements gain little.
+pub const DEFAULT_ROWS_PER_STATEMENT: usize = 1_000;
+
+fn default_rows_per_statement() -> usize {
+    DEFAULT_ROWS_PER_STATEMENT
 }
 
 /// `kind = "null"`: no settings.

@@ -382,6 +382,51 @@ impl PipelineFile {
                         }
                     }
                 }
+                SinkConfig::Postgres(s) => {
+                    if !(s.url.starts_with("postgres://") || s.url.starts_with("postgresql://")) {
+                        problem(
+                            &format!("{base}.url"),
+                            format!("`{}` is not a postgres:// URL", mask_url(&s.url)),
+                        );
+                    }
+                    let ident = |v: &str| {
+                        !v.is_empty()
+                            && v.len() <= 63
+                            && v.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                    };
+                    if !ident(&s.schema) {
+                        problem(
+                            &format!("{base}.schema"),
+                            format!("`{}` must be 1 to 63 letters, digits or `_`", s.schema),
+                        );
+                    }
+                    if !ident(&s.table.replace("{collection}", "c")) {
+                        problem(
+                            &format!("{base}.table"),
+                            format!(
+                                "`{}` must be letters, digits, `_` and `{{collection}}`",
+                                s.table
+                            ),
+                        );
+                    }
+                    range(
+                        &mut problem,
+                        &format!("{base}.rows_per_statement"),
+                        s.rows_per_statement as u64,
+                        1,
+                        100_000,
+                    );
+                    for (projection, p) in &self.projections {
+                        if p.sinks().contains(name) && !matches!(p, ProjectionConfig::Replica(_)) {
+                            problem(
+                                &base,
+                                format!(
+                                    "projection `{projection}` does not write documents, which is all a `postgres` sink holds"
+                                ),
+                            );
+                        }
+                    }
+                }
                 SinkConfig::Null(_) => {}
             }
         }

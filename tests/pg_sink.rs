@@ -1,0 +1,181 @@
+//! The PostgreSQL JSONB sink: SIGKILL `refract run` at random moments while it writes documents
+//! into PostgreSQL, and compare the tables with the state computed independently from the change
+//! log; then replay old changes over newer documents, which must stay.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::pg::psql;
+use common::*;
+use serde_json::Value;
+
+const SCHEMA: &str = "refract_sink_test";
+
+fn pipeline_file(dir: &Path, log: &Path, state: &str) -> std::path::PathBuf {
+    let text = format!(
+        r#"[pipeline]
+name = "pg_sink"
+state_dir = "{state}"
+[pipeline.batch]
+max_events = 500
+max_delay_ms = 50
+[source]
+kind = "file"
+path = "{log}"
+poll_interval_ms = 20
+[projections.replica]
+kind = "replica"
+tables = ["items", "links", "sessions"]
+key_columns = {{ links = ["a", "b"] }}
+sinks = ["pg"]
+[sinks.pg]
+kind = "postgres"
+url = "{url}"
+schema = "{SCHEMA}"
+rows_per_statement = 100
+"#,
+        state = dir.join(state).display(),
+        log = log.display(),
+        url = common::pg::url(),
+    );
+    let path = dir.join(format!("{state}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Every document of the read-model tables, keyed like [`expected_state`].
+fn tables() -> BTreeMap<(String, String), Value> {
+    let mut docs = BTreeMap::new();
+    for collection in ["items", "links", "sessions"] {
+        let exists = psql(&format!(
+            "SELECT to_regclass('{SCHEMA}.{collection}') IS NOT NULL"
+        ));
+        if exists != "t" {
+            continue;
+        }
+        let json = psql(&format!(
+            "SELECT coalesce(json_agg(json_build_array(id, doc)), '[]') FROM {SCHEMA}.{collection}"
+        ));
+        let rows: Vec<Value> = serde_json::from_str(&json).unwrap();
+        for r in rows {
+            docs.insert(
+                (collection.to_owned(), r[0].as_str().unwrap().to_owned()),
+                r[1].clone(),
+            );
+        }
+    }
+    docs
+}
+
+fn assert_equal(expected: &BTreeMap<(String, String), Value>, context: &str) {
+    let actual = tables();
+    let missing: Vec<_> = expected
+        .keys()
+        .filter(|k| !actual.contains_key(*k))
+        .take(5)
+        .collect();
+    let extra: Vec<_> = actual
+        .keys()
+        .filter(|k| !expected.contains_key(*k))
+        .take(5)
+        .collect();
+    let differing: Vec<_> = expected
+        .iter()
+        .filter(|(k, v)| actual.get(*k).is_some_and(|a| a != *v))
+        .take(3)
+        .collect();
+    assert!(
+        missing.is_empty() && extra.is_empty() && differing.is_empty(),
+        "{context}: {} expected, {} in PostgreSQL; missing {missing:?}, extra {extra:?}, differing {differing:?}",
+        expected.len(),
+        actual.len()
+    );
+}
+
+#[test]
+fn sigkill_while_writing_loses_nothing_and_old_changes_never_overwrite_newer_documents() {
+    psql(&format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"));
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("changes.jsonl");
+    let lines = change_log(if in_ci() { 30_000 } else { 100_000 }, 17);
+    let pipeline = pipeline_file(dir.path(), &log, "state");
+    std::fs::write(&log, b"").unwrap();
+
+    let mut rng = Rng::new(9);
+    let slice = lines.len().div_ceil(22);
+    let mut kills = 0;
+    let mut file = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+    for part in lines.chunks(slice) {
+        let mut text = part.join("\n");
+        text.push('\n');
+        file.write_all(text.as_bytes()).unwrap();
+        file.flush().unwrap();
+        let mut daemon = Running::spawn(
+            refract()
+                .arg("run")
+                .arg(&pipeline)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+        );
+        std::thread::sleep(Duration::from_millis(100 + rng.below(500)));
+        let child = daemon.child();
+        if child.try_wait().unwrap().is_none() {
+            child.kill().unwrap();
+            kills += 1;
+        }
+        child.wait().unwrap();
+    }
+    assert!(kills >= 20, "only {kills} kills hit a running process");
+    let done = output(refract().arg("run").arg(&pipeline).arg("--until-caught-up"));
+    assert!(
+        done.status.success(),
+        "{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    let expected = expected_state(&lines);
+    assert!(expected.len() > 1000, "{} documents", expected.len());
+    assert_equal(&expected, &format!("after {kills} kills"));
+
+    // The first half of the log replayed by a pipeline with no checkpoint (the same file and
+    // positions): documents written later keep their newer version.
+    let half = lines.len() / 2;
+    let old_log = dir.path().join("old").join("changes.jsonl");
+    std::fs::create_dir_all(old_log.parent().unwrap()).unwrap();
+    write_lines(&old_log, &lines[..half]);
+    std::fs::rename(&log, dir.path().join("full.jsonl")).unwrap();
+    std::fs::rename(&old_log, &log).unwrap();
+    let replay = pipeline_file(dir.path(), &log, "replay");
+    let done = output(refract().arg("run").arg(&replay).arg("--until-caught-up"));
+    assert!(
+        done.status.success(),
+        "{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    let at_half = expected_state(&lines[..half]);
+    let actual = tables();
+    let mut kept_newer = 0;
+    for (key, doc) in &expected {
+        if at_half.get(key).is_some_and(|old| old != doc) {
+            assert_eq!(
+                actual.get(key),
+                Some(doc),
+                "{key:?} went back to an older version"
+            );
+            kept_newer += 1;
+        }
+    }
+    assert!(
+        kept_newer > 100,
+        "the replay met {kept_newer} newer documents"
+    );
+    eprintln!(
+        "{kills} SIGKILLs; {} documents equal; a replay of old changes left {kept_newer} newer documents alone",
+        expected.len()
+    );
+    psql(&format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"));
+}
