@@ -332,18 +332,24 @@ async fn compaction_keeps_the_newest_row_per_key_and_the_newest_group() {
 #[tokio::test]
 async fn retention_deletes_merged_change_files_older_than_the_limit() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = ParquetSinkConfig { change_retention_days: 30, ..config(dir.path()) };
+    let cfg = ParquetSinkConfig {
+        change_retention_days: 30,
+        ..config(dir.path())
+    };
     let mut sink = ParquetSink::new("pq", cfg.clone());
     sink.open().await.unwrap();
     let s = schema("t", 1, false, false);
     let at = |id: &str, pos: u64, days_ago: i64| {
         let mut op = op(&s, FlatOp::Upsert, id, 1, pos);
         if let WriteOp::Flat { change, .. } = &mut op {
-            change.commit_ts_ms = Some(chrono::Utc::now().timestamp_millis() - days_ago * 86_400_000);
+            change.commit_ts_ms =
+                Some(chrono::Utc::now().timestamp_millis() - days_ago * 86_400_000);
         }
         op
     };
-    sink.write(&batch(1, vec![at("old", 10, 40), at("new", 20, 1)])).await.unwrap();
+    sink.write(&batch(1, vec![at("old", 10, 40), at("new", 20, 1)]))
+        .await
+        .unwrap();
     sink.flush().await.unwrap();
     assert_eq!(files(dir.path()).len(), 2, "one file per commit day");
     let report = compact("pq", &cfg).await.unwrap();
@@ -358,9 +364,13 @@ async fn retention_deletes_merged_change_files_older_than_the_limit() {
 #[tokio::test]
 async fn large_files_are_uploaded_in_parts_and_appear_whole() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, root) = crate::sinks::object_json::open_store(&format!("file://{}", dir.path().display())).unwrap();
+    let (store, root) =
+        crate::sinks::object_json::open_store(&format!("file://{}", dir.path().display())).unwrap();
     let path = root.clone().join("big.parquet");
     let bytes = bytes::Bytes::from(vec![7u8; MULTIPART_THRESHOLD + PART_SIZE / 2]);
     put(&*store, &path, bytes.clone()).await.unwrap();
-    assert_eq!(std::fs::read(dir.path().join("big.parquet")).unwrap(), bytes.to_vec());
+    assert_eq!(
+        std::fs::read(dir.path().join("big.parquet")).unwrap(),
+        bytes.to_vec()
+    );
 }
