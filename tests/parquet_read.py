@@ -1,9 +1,9 @@
 """Reads a Parquet sink's output with pyarrow (an independent reader) for the end-to-end tests.
 
 Usage: python3 tests/parquet_read.py OUT_DIR
-Prints JSON: per table, the current state's rows and column types, and each change-log file's
-columns, row count and schema version; plus every visible .parquet file whose footer pyarrow
-cannot read.
+Prints JSON: per table, the current state's rows and column types, each change-log file's
+columns, row count and schema version, and how many change rows (position and key) appear more
+than once; plus every visible .parquet file whose footer pyarrow cannot read.
 """
 import datetime
 import glob
@@ -38,15 +38,23 @@ def main(out):
             t = pq.read_table(current)
             entry["current_types"] = {f.name: str(f.type) for f in t.schema}
             entry["current"] = [{k: plain(v) for k, v in row.items()} for row in t.to_pylist()]
+        seen, duplicates = set(), 0
         for path in sorted(glob.glob(os.path.join(table_dir, "changes", "*", "*.parquet"))):
             f = pq.ParquetFile(path)
             meta = f.schema_arrow.metadata or {}
+            # A change is its position and key: one that appears twice was written twice.
+            key = ["_position"] + meta.get(b"refract.key", b"").decode().split(",")
+            for row in f.read(columns=key).to_pylist():
+                identity = tuple(plain(row[k]) for k in key)
+                duplicates += identity in seen
+                seen.add(identity)
             entry["changes"].append({
                 "path": os.path.relpath(path, out),
                 "columns": {fl.name: str(fl.type) for fl in f.schema_arrow},
                 "rows": f.metadata.num_rows,
                 "schema_version": meta.get(b"refract.schema_version", b"").decode(),
             })
+        entry["duplicate_changes"] = duplicates
         result["tables"][table] = entry
     json.dump(result, sys.stdout)
 

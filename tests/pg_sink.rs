@@ -179,3 +179,44 @@ fn sigkill_while_writing_loses_nothing_and_old_changes_never_overwrite_newer_doc
     );
     psql(&format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"));
 }
+
+#[test]
+fn a_writer_with_rights_on_existing_tables_only_writes_without_creating() {
+    let schema = "refract_sink_rights";
+    psql(&format!(
+        "DROP SCHEMA IF EXISTS {schema} CASCADE; DROP ROLE IF EXISTS refract_sink_writer;
+         CREATE ROLE refract_sink_writer LOGIN;
+         CREATE SCHEMA {schema};
+         CREATE TABLE {schema}.items (id text PRIMARY KEY, doc jsonb NOT NULL,
+             source_position text COLLATE \"C\" NOT NULL, updated_at timestamptz NOT NULL DEFAULT now());
+         GRANT USAGE ON SCHEMA {schema} TO refract_sink_writer;
+         GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.items TO refract_sink_writer;"
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("changes.jsonl");
+    let lines: Vec<String> = change_log(2_000, 3)
+        .into_iter()
+        .filter(|l| l.contains("\"table\":\"items\""))
+        .collect();
+    write_lines(&log, &lines);
+    let url =
+        common::pg::url().replacen("postgres://postgres@", "postgres://refract_sink_writer@", 1);
+    let text = format!(
+        "[pipeline]\nname = \"rights\"\nstate_dir = \"{}\"\n[source]\nkind = \"file\"\npath = \"{}\"\nfollow = false\n\
+         [projections.replica]\nkind = \"replica\"\nsinks = [\"pg\"]\n\
+         [sinks.pg]\nkind = \"postgres\"\nurl = \"{url}\"\nschema = \"{schema}\"\n",
+        dir.path().join("state").display(),
+        log.display()
+    );
+    let pipeline = dir.path().join("p.toml");
+    std::fs::write(&pipeline, text).unwrap();
+    let run = output(refract().arg("run").arg(&pipeline));
+    let stderr = String::from_utf8_lossy(&run.stderr).into_owned();
+    let count = psql(&format!("SELECT count(*) FROM {schema}.items"));
+    psql(&format!(
+        "DROP SCHEMA IF EXISTS {schema} CASCADE; DROP ROLE IF EXISTS refract_sink_writer;"
+    ));
+    assert!(run.status.success(), "{stderr}");
+    let expected = expected_state(&lines).len();
+    assert_eq!(count, expected.to_string(), "{stderr}");
+}

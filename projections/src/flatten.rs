@@ -23,7 +23,7 @@ mod schema;
 mod tests;
 mod unmapped;
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use refract_schemas::config::{
@@ -157,6 +157,9 @@ struct Output {
     index: FastMap<String, usize>,
     /// Unmapped paths seen holding objects (flattened into columns below them).
     object_paths: BTreeSet<String>,
+    /// The dotted path each unmapped column was made from: two fields that would flatten to one
+    /// name (`a.b` and `a_b`) are a conflict, not a shared column.
+    origins: BTreeMap<String, String>,
 }
 
 /// Learned state of one output, as persisted.
@@ -165,6 +168,8 @@ struct SavedOutput {
     version: u32,
     columns: Vec<FlatColumn>,
     object_paths: BTreeSet<String>,
+    #[serde(default)]
+    origins: BTreeMap<String, String>,
 }
 
 /// The rows one event makes in one output, and what they teach the schema.
@@ -176,6 +181,8 @@ struct Staged {
     /// Columns this event adds (indexes continue after the schema's).
     added: Vec<FlatColumn>,
     added_objects: Vec<String>,
+    /// Unmapped columns this event names for the first time, with their dotted paths.
+    added_origins: Vec<(String, String)>,
 }
 
 impl Staged {
@@ -408,6 +415,7 @@ impl FlattenProjection {
                 }),
                 index,
                 object_paths: BTreeSet::new(),
+                origins: BTreeMap::new(),
             });
         }
         Self {
@@ -579,6 +587,7 @@ impl FlattenProjection {
             output.schema = Arc::new(schema);
         }
         output.object_paths.extend(staged.added_objects);
+        output.origins.extend(staged.added_origins);
         let width = output.schema.columns.len();
         for (op, cells) in staged.rows {
             let mut values = vec![FlatValue::Null; width];
@@ -773,6 +782,7 @@ impl Projection for FlattenProjection {
                         version: o.schema.version,
                         columns: o.schema.columns.clone(),
                         object_paths: o.object_paths.clone(),
+                        origins: o.origins.clone(),
                     },
                 )
             })
@@ -814,6 +824,7 @@ impl Projection for FlattenProjection {
                 .map(|(i, c)| (c.name.clone(), i))
                 .collect();
             output.object_paths = s.object_paths;
+            output.origins = s.origins;
             output.schema = Arc::new(schema);
         }
         Ok(())

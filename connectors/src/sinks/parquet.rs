@@ -84,8 +84,9 @@ pub struct ParquetSink {
     /// Open files by (table, commit day).
     open: BTreeMap<(Arc<str>, i64), OpenFile>,
     ready: Vec<Ready>,
-    /// The newest batch buffered (a retried write of it is not buffered twice).
+    /// The newest batch buffered (a retried write of it is not buffered twice), and its report.
     last_seq: u64,
+    last_report: WriteReport,
     last_compaction: Instant,
     published: metrics::Counter,
     rows_written: metrics::Counter,
@@ -105,6 +106,7 @@ impl ParquetSink {
             open: BTreeMap::new(),
             ready: Vec::new(),
             last_seq: 0,
+            last_report: WriteReport::default(),
             last_compaction: Instant::now(),
         }
     }
@@ -292,6 +294,19 @@ impl ParquetSink {
             put(&*store, &ready.path, ready.bytes.clone())
                 .await
                 .map_err(|e| classify(&self.name, format!("cannot publish {}", ready.path), e))?;
+            if self.config.url.starts_with("file://") {
+                // The local backend renames a temporary file into place without fsync: sync the
+                // file and its directory, so a power loss cannot take a checkpointed file back.
+                let local = std::path::Path::new("/").join(ready.path.as_ref());
+                tokio::task::spawn_blocking(move || sync_file_and_dir(&local))
+                    .await
+                    .expect("sync task")
+                    .map_err(|e| SinkError::Transient {
+                        sink: self.name.clone(),
+                        message: format!("cannot sync {}", ready.path),
+                        source: Some(Box::new(e)),
+                    })?;
+            }
             tracing::debug!(sink = %self.name, path = %ready.path, bytes = ready.bytes.len(), "published a change-log file");
             self.published.increment(1);
             self.ready.remove(0);
@@ -306,8 +321,16 @@ impl ParquetSink {
             return Ok(());
         }
         self.last_compaction = Instant::now();
-        let report = compact(&self.name, &self.config).await?;
-        tracing::info!(sink = %self.name, tables = report.tables, rows = report.rows, "compacted current state");
+        // A compaction that fails is reported and tried again at the next interval; it never
+        // holds up the change log (and so the source).
+        match compact(&self.name, &self.config).await {
+            Ok(report) => {
+                tracing::info!(sink = %self.name, tables = report.tables, rows = report.rows, "compacted current state")
+            }
+            Err(e) => {
+                tracing::error!(sink = %self.name, error = %e, "compaction failed; retrying at the next interval")
+            }
+        }
         Ok(())
     }
 }
@@ -359,6 +382,15 @@ async fn trim_after_checkpoint(
             Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
             Err(e) => return Err(classify(name, format!("cannot delete {}", file.path), e)),
         }
+    }
+    Ok(())
+}
+
+/// fsyncs a published local file and the directory holding its name.
+fn sync_file_and_dir(path: &std::path::Path) -> std::io::Result<()> {
+    std::fs::File::open(path)?.sync_all()?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
     }
     Ok(())
 }
@@ -480,14 +512,17 @@ impl Sink for ParquetSink {
     }
 
     async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
-        let mut report = WriteReport::default();
+        // A retried batch (its files failed to publish) is not buffered twice; its report is
+        // the one counted when it was.
         if batch.seq > self.last_seq {
+            let mut report = WriteReport::default();
             self.buffer(batch, &mut report)?;
             self.last_seq = batch.seq;
+            self.last_report = report;
             self.roll(false)?;
         }
         self.publish().await?;
-        Ok(report)
+        Ok(self.last_report)
     }
 
     fn durable_through(&self) -> Option<u64> {

@@ -232,15 +232,18 @@ impl Sink for PostgresSink {
         }
 
         let mut statements: Vec<(String, Vec<Vec<String>>)> = Vec::new();
-        let mut creates: Vec<String> = Vec::new();
+        let mut creates: Vec<(String, String)> = Vec::new();
         let mut new_tables: Vec<String> = Vec::new();
         let mut ensure = |collection: &str, this: &Self| {
             if !this.ready.contains(collection) && !new_tables.iter().any(|c| c == collection) {
                 new_tables.push(collection.to_owned());
-                creates.push(format!(
-                    "CREATE TABLE IF NOT EXISTS {} (id text PRIMARY KEY, doc jsonb NOT NULL, \
-                     source_position text COLLATE \"C\" NOT NULL, updated_at timestamptz NOT NULL DEFAULT now())",
-                    this.table(collection)
+                creates.push((
+                    this.table(collection),
+                    format!(
+                        "CREATE TABLE IF NOT EXISTS {} (id text PRIMARY KEY, doc jsonb NOT NULL, \
+                         source_position text COLLATE \"C\" NOT NULL, updated_at timestamptz NOT NULL DEFAULT now())",
+                        this.table(collection)
+                    ),
                 ));
             }
         };
@@ -292,20 +295,40 @@ impl Sink for PostgresSink {
             }
         }
         let schema = quote(&self.config.schema);
+        let schema_name = self.config.schema.clone();
         let client = self.client.as_mut().expect("connected above");
         let result: Result<(), (String, tokio_postgres::Error)> = async {
             let tx = client
                 .transaction()
                 .await
                 .map_err(|e| ("cannot begin a transaction".to_owned(), e))?;
+            // Look before creating: PostgreSQL checks the CREATE privilege even when the object
+            // exists, and a writer may only have rights on tables made for it.
             if !creates.is_empty() {
-                tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
+                let exists = tx
+                    .query_opt(
+                        "SELECT 1 FROM pg_namespace WHERE nspname = $1",
+                        &[&schema_name],
+                    )
                     .await
-                    .map_err(|e| (format!("cannot create schema {schema}"), e))?;
-                for create in &creates {
-                    tx.batch_execute(create)
+                    .map_err(|e| ("cannot look up the schema".to_owned(), e))?
+                    .is_some();
+                if !exists {
+                    tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
                         .await
-                        .map_err(|e| (format!("cannot create a read-model table ({create})"), e))?;
+                        .map_err(|e| (format!("cannot create schema {schema}"), e))?;
+                }
+                for (table, create) in &creates {
+                    let exists: bool = tx
+                        .query_one("SELECT to_regclass($1) IS NOT NULL", &[table])
+                        .await
+                        .map_err(|e| ("cannot look up a read-model table".to_owned(), e))?
+                        .get(0);
+                    if !exists {
+                        tx.batch_execute(create).await.map_err(|e| {
+                            (format!("cannot create a read-model table ({create})"), e)
+                        })?;
+                    }
                 }
             }
             for (sql, params) in &statements {

@@ -210,8 +210,8 @@ fn schema_drift_adds_columns_and_type_conflicts_fail_the_whole_event() {
     );
     assert_eq!(orders(&p), v2, "the failed event taught nothing");
 
-    // A field that was an object and became a number.
-    let (_, error) = run(
+    // A field that was an object and became a number: nothing emitted, nothing learned.
+    let (lines, error) = run(
         &mut p,
         envelope(
             "c",
@@ -220,6 +220,8 @@ fn schema_drift_adds_columns_and_type_conflicts_fail_the_whole_event() {
         ),
     );
     assert!(error.expect("a type conflict").contains("shipping.address"));
+    assert_eq!(lines, Vec::<String>::new());
+    assert_eq!(orders(&p), v2);
 
     // A declared type that a value cannot take.
     let (_, error) = run(
@@ -285,4 +287,38 @@ fn learned_schemas_survive_a_restart() {
     );
     assert!(error.expect("a conflict").contains("priority"));
     assert!(restarted.restore_state(b"not json").is_err());
+}
+
+#[test]
+fn unmapped_fields_never_take_a_declared_column_or_share_one() {
+    let mut p = FlattenProjection::new(&shipped());
+    // A new `doc.order_id` must not overwrite the key: it becomes `doc_order_id`.
+    let (lines, error) = run(
+        &mut p,
+        envelope(
+            "c",
+            None,
+            Some(row("o1", doc(1, json!({"order_id": "other"})))),
+        ),
+    );
+    assert_eq!(error, None);
+    let orders = of(&lines, "orders");
+    assert!(orders[0].starts_with("u order_id=o1 "), "{orders:?}");
+    assert!(orders[0].contains("doc_order_id=other"), "{orders:?}");
+    // `x.y` and `x_y` would both be column `x_y`.
+    let (_, error) = run(
+        &mut p,
+        envelope("c", None, Some(row("o2", doc(1, json!({"x": {"y": 1}}))))),
+    );
+    assert_eq!(error, None);
+    let (lines, error) = run(
+        &mut p,
+        envelope("c", None, Some(row("o3", doc(1, json!({"x_y": 2}))))),
+    );
+    assert_eq!(lines, Vec::<String>::new());
+    let error = error.expect("two fields, one column");
+    assert!(
+        error.contains("`doc.x.y` and `doc.x_y` both flatten to column `x_y`"),
+        "{error}"
+    );
 }

@@ -4,6 +4,8 @@
 use serde_json::{Map, Value};
 
 use super::schema::{infer, kind, short};
+use refract_schemas::field_path::Step;
+
 use super::{FlatColumn, FlatType, FlatValue, FlattenProjection, Output, Staged, Unmapped};
 
 impl FlattenProjection {
@@ -48,6 +50,7 @@ impl FlattenProjection {
         row: &mut Vec<(usize, FlatValue)>,
         staged: &mut Staged,
     ) -> Result<(), String> {
+        let name = &self.column_name(output, u, dotted, name, staged)?;
         let was_object = output.object_paths.contains(dotted.as_str())
             || staged.added_objects.iter().any(|p| p == dotted);
         if let Value::Object(inner) = value {
@@ -60,7 +63,9 @@ impl FlattenProjection {
             if !was_object {
                 staged.added_objects.push(dotted.clone());
             }
-            return self.walk(output, u, inner, dotted, name, row, staged);
+            // The walk below names the fields from the path, not from a renamed column.
+            let mut below = name_of_path(u, dotted);
+            return self.walk(output, u, inner, dotted, &mut below, row, staged);
         }
         if was_object {
             return Err(format!(
@@ -97,6 +102,7 @@ impl FlattenProjection {
                     name: name.clone(),
                     ty,
                 });
+                staged.added_origins.push((name.clone(), dotted.clone()));
                 count
             }
         };
@@ -118,6 +124,69 @@ impl FlattenProjection {
         row.push((column, fitted));
         Ok(())
     }
+}
+
+impl FlattenProjection {
+    /// The column an unmapped field goes to: its path below `under` joined by the separator,
+    /// prefixed with `under`'s last name when a declared column already has that name (a new
+    /// `doc.order_id` must not overwrite the key). Two fields that flatten to one name (`a.b`
+    /// and `a_b`) are a conflict.
+    fn column_name(
+        &self,
+        output: &Output,
+        u: &Unmapped,
+        dotted: &str,
+        name: &str,
+        staged: &Staged,
+    ) -> Result<String, String> {
+        let declared = |n: &str| output.index.get(n).is_some_and(|&i| i < output.rules.len());
+        let mut column = name.to_owned();
+        if declared(&column) {
+            let under = match u.under.path.steps.iter().rev().find_map(|s| match s {
+                Step::Field(f) => Some(f.as_str()),
+                Step::Each => None,
+            }) {
+                Some(f) => f,
+                None => u.under.path.column.as_str(),
+            };
+            column = format!("{under}{}{name}", u.separator);
+            if declared(&column) {
+                return Err(format!(
+                    "table `{}`: field `{dotted}` would be column `{name}` or `{column}`, both declared; exclude it",
+                    output.schema.table
+                ));
+            }
+        }
+        let origin = output.origins.get(&column).map(String::as_str).or_else(|| {
+            staged
+                .added_origins
+                .iter()
+                .find(|(c, _)| *c == column)
+                .map(|(_, o)| o.as_str())
+        });
+        if let Some(origin) = origin {
+            if origin != dotted {
+                return Err(format!(
+                    "table `{}`: fields `{origin}` and `{dotted}` both flatten to column `{column}`; \
+                     exclude one of them, or keep unmapped fields as JSON (unmapped.mode = \"json\")",
+                    output.schema.table
+                ));
+            }
+        }
+        Ok(column)
+    }
+}
+
+/// The column name of a dotted path below `under` (what `walk` builds field by field).
+fn name_of_path(u: &Unmapped, dotted: &str) -> String {
+    let base = u.under.path.to_string();
+    dotted
+        .strip_prefix(&base)
+        .unwrap_or(dotted)
+        .trim_start_matches('.')
+        .split('.')
+        .collect::<Vec<_>>()
+        .join(&u.separator)
 }
 
 /// Collects unmapped leaves of `fields` into `kept`, keyed by their dotted path below `under`.

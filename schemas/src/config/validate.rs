@@ -668,6 +668,11 @@ fn flatten(problem: &mut impl FnMut(&str, String), base: &str, f: &FlattenProjec
             }
             if u.column.is_empty() {
                 problem(&format!("{at}.unmapped.column"), "must not be empty".into());
+            } else if u.mode == super::UnmappedMode::Json && columns.contains(u.column.as_str()) {
+                problem(
+                    &format!("{at}.unmapped.column"),
+                    format!("`{}` is already a declared column", u.column),
+                );
             }
         }
     }

@@ -307,6 +307,7 @@ async fn compact_table(
         fetched.push((file.path.clone(), bytes));
     }
     if fetched.is_empty() && previous.is_some() {
+        report.files_deleted = retain(&*store, files, config, &merged_through).await?;
         return Ok(report);
     }
     report.files_read = fetched.len() as u64;
@@ -326,23 +327,46 @@ async fn compact_table(
     put(&*store, &current, merged.bytes)
         .await
         .map_err(|e| e.to_string())?;
+    if config.url.starts_with("file://") {
+        // Like the change log: synced, so that a power loss cannot leave a torn current state.
+        let local = std::path::Path::new("/").join(current.as_ref());
+        tokio::task::spawn_blocking(move || super::sync_file_and_dir(&local))
+            .await
+            .map_err(|e| format!("the sync task failed: {e}"))?
+            .map_err(|e| format!("cannot sync {current}: {e}"))?;
+    }
+
     report.tables = 1;
     report.rows = merged.rows as u64;
     tracing::debug!(table, rows = merged.rows, "current state rebuilt");
-    if config.change_retention_days > 0 {
-        let cutoff = chrono::Utc::now().date_naive()
-            - chrono::Days::new(u64::from(config.change_retention_days));
-        let cutoff = cutoff.format("%Y-%m-%d").to_string();
-        for file in files {
-            if file.date < cutoff && encode::position_text(file.last) <= merged.through {
-                match store.delete(&file.path).await {
-                    Ok(()) | Err(object_store::Error::NotFound { .. }) => report.files_deleted += 1,
-                    Err(e) => return Err(e.to_string()),
-                }
+    report.files_deleted = retain(&*store, files, config, &merged.through).await?;
+    Ok(report)
+}
+
+/// Deletes the change-log files older than `change_retention_days` (by date partition) that
+/// the current state has merged (`merged_through`); returns how many.
+async fn retain(
+    store: &dyn ObjectStore,
+    files: &[ChangeFile],
+    config: &ParquetSinkConfig,
+    merged_through: &str,
+) -> Result<u64, String> {
+    if config.change_retention_days == 0 || merged_through.is_empty() {
+        return Ok(0);
+    }
+    let cutoff = chrono::Utc::now().date_naive()
+        - chrono::Days::new(u64::from(config.change_retention_days));
+    let cutoff = cutoff.format("%Y-%m-%d").to_string();
+    let mut deleted = 0;
+    for file in files {
+        if file.date < cutoff && encode::position_text(file.last).as_str() <= merged_through {
+            match store.delete(&file.path).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => deleted += 1,
+                Err(e) => return Err(e.to_string()),
             }
         }
     }
-    Ok(report)
+    Ok(deleted)
 }
 
 /// A merged current state.
@@ -420,6 +444,17 @@ fn merge(
             }
             match fields.iter_mut().find(|x| x.name() == f.name()) {
                 Some(x) if *x.data_type() == DataType::Null => *x = f.as_ref().clone(),
+                Some(x) if *f.data_type() != DataType::Null && x.data_type() != f.data_type() => {
+                    // A declared type changed in the pipeline file, or types were learned anew
+                    // after the state was deleted: merging would silently null one of them.
+                    return Err(format!(
+                        "column `{}` is {} in some change-log files and {} in others; \
+                         rewrite or remove the older files (or the current state) before compacting",
+                        f.name(),
+                        x.data_type(),
+                        f.data_type()
+                    ));
+                }
                 Some(_) => {}
                 None => fields.push(f.as_ref().clone()),
             }

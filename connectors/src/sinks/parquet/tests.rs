@@ -374,3 +374,43 @@ async fn large_files_are_uploaded_in_parts_and_appear_whole() {
         bytes.to_vec()
     );
 }
+
+#[tokio::test]
+async fn a_truncate_removes_every_older_row_from_the_current_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path());
+    let mut sink = ParquetSink::new("pq", cfg.clone());
+    sink.open().await.unwrap();
+    let (t, g) = (schema("t", 1, false, false), schema("g", 1, false, true));
+    let truncate = |s: &Arc<FlatSchema>, at: u64| WriteOp::Flat {
+        change: FlatChange {
+            schema: s.clone(),
+            op: FlatOp::Truncate,
+            values: vec![FlatValue::Null; s.columns.len()],
+            commit_ts_ms: Some(1_790_000_000_000),
+        },
+        position: Position {
+            partition: "slot".into(),
+            offset: Offset(at, 0),
+        },
+    };
+    sink.write(&batch(
+        1,
+        vec![
+            op(&t, FlatOp::Upsert, "a", 1, 10),
+            op(&g, FlatOp::Upsert, "p", 1, 11),
+            truncate(&t, 20),
+            truncate(&g, 20),
+            op(&t, FlatOp::Upsert, "b", 1, 30),
+        ],
+    ))
+    .await
+    .unwrap();
+    sink.flush().await.unwrap();
+    compact("pq", &cfg).await.unwrap();
+    assert_eq!(
+        rows(&dir.path().join("t/current/part-0.parquet")),
+        [("b".to_owned(), 1)]
+    );
+    assert!(rows(&dir.path().join("g/current/part-0.parquet")).is_empty());
+}
