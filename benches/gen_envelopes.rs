@@ -36,13 +36,7 @@ fn main() {
         .expect("usage: gen-envelopes N OUTPUT");
     let path = args.next().expect("usage: gen-envelopes N OUTPUT");
     let mut out = BufWriter::new(std::fs::File::create(&path).expect("output file"));
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = xorshift(0x2545_F491_4F6C_DD1Du64);
     let statuses = ["pending", "paid", "shipped", "delivered", "cancelled"];
     let row = |id: u64, r: u64| {
         json!({
@@ -90,13 +84,7 @@ fn products(mut args: impl Iterator<Item = String>) {
     let path = args.next().expect(USAGE);
     let ids: u64 = args.next().map_or(1_000_000, |a| a.parse().expect(USAGE));
     let mut out = BufWriter::new(std::fs::File::create(&path).expect("output file"));
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = xorshift(0x9E37_79B9_7F4A_7C15u64);
     let row = |id: u64, sku: &str, price: u64, ts: u64| {
         json!({
             "id": id,
@@ -151,13 +139,7 @@ fn orders(mut args: impl Iterator<Item = String>) {
     let n: u64 = args.next().and_then(|a| a.parse().ok()).expect(USAGE);
     let path = args.next().expect(USAGE);
     let mut out = BufWriter::new(std::fs::File::create(&path).expect("output file"));
-    let mut state = 0xD1B5_4A32_D192_ED03u64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = xorshift(0xD1B5_4A32_D192_ED03u64);
     let statuses = ["pending", "paid", "shipped", "delivered", "cancelled"];
     let methods = ["ground", "express", "overnight"];
     let shipping_statuses = ["pending", "in_transit", "delivered"];
@@ -225,4 +207,14 @@ fn orders(mut args: impl Iterator<Item = String>) {
         out.write_all(b"\n").expect("write");
     }
     out.flush().expect("flush");
+}
+
+/// A deterministic xorshift64 stream from `seed`: the same file for the same arguments.
+fn xorshift(mut state: u64) -> impl FnMut() -> u64 {
+    move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    }
 }

@@ -6,7 +6,7 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -449,20 +449,9 @@ fn sigkill_during_writes_leaves_valid_files_and_current_equals_the_source() {
     let mut kills = 0;
     let mut files_checked = 0;
     while kills < 20 {
-        let mut daemon = Running::spawn(
-            refract()
-                .arg("run")
-                .arg(&pipeline)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null()),
-        );
-        std::thread::sleep(Duration::from_millis(400 + rng.below(1200)));
-        let child = daemon.child();
-        if child.try_wait().unwrap().is_none() {
-            child.kill().unwrap();
+        if run_and_kill(&pipeline, Duration::from_millis(400 + rng.below(1200))) {
             kills += 1;
         }
-        child.wait().unwrap();
         let result = read_back(&out);
         assert_eq!(
             result["bad_files"],

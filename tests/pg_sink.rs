@@ -7,7 +7,6 @@ mod common;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
-use std::process::Stdio;
 use std::time::Duration;
 
 use common::pg::psql;
@@ -115,20 +114,9 @@ fn sigkill_while_writing_loses_nothing_and_old_changes_never_overwrite_newer_doc
         text.push('\n');
         file.write_all(text.as_bytes()).unwrap();
         file.flush().unwrap();
-        let mut daemon = Running::spawn(
-            refract()
-                .arg("run")
-                .arg(&pipeline)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null()),
-        );
-        std::thread::sleep(Duration::from_millis(100 + rng.below(500)));
-        let child = daemon.child();
-        if child.try_wait().unwrap().is_none() {
-            child.kill().unwrap();
+        if run_and_kill(&pipeline, Duration::from_millis(100 + rng.below(500))) {
             kills += 1;
         }
-        child.wait().unwrap();
     }
     assert!(kills >= 20, "only {kills} kills hit a running process");
     let done = output(refract().arg("run").arg(&pipeline).arg("--until-caught-up"));

@@ -181,20 +181,9 @@ fn sigkill_under_a_writer_loses_nothing_and_state_loss_resumes_from_the_slot() {
     let mut rng = Rng::new(3);
     let mut kills = 0;
     while kills < 20 {
-        let mut daemon = Running::spawn(
-            refract()
-                .arg("run")
-                .arg(&pipeline)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null()),
-        );
-        std::thread::sleep(Duration::from_millis(300 + rng.below(900)));
-        let child = daemon.child();
-        if child.try_wait().unwrap().is_none() {
-            child.kill().unwrap();
+        if run_and_kill(&pipeline, Duration::from_millis(300 + rng.below(900))) {
             kills += 1;
         }
-        child.wait().unwrap();
     }
     stop.store(true, Ordering::Relaxed);
     let rounds = writer.join().unwrap();

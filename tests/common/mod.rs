@@ -246,6 +246,26 @@ fn read_documents(out: &Path, strict: bool) -> BTreeMap<(String, String), Value>
     docs
 }
 
+/// Runs `refract run PIPELINE` (output discarded) for `lifetime`, then SIGKILLs it if it still
+/// runs; returns whether the kill landed on a running process.
+pub fn run_and_kill(pipeline: &Path, lifetime: std::time::Duration) -> bool {
+    let mut daemon = Running::spawn(
+        refract()
+            .arg("run")
+            .arg(pipeline)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null()),
+    );
+    std::thread::sleep(lifetime);
+    let child = daemon.child();
+    let landed = child.try_wait().unwrap().is_none();
+    if landed {
+        child.kill().unwrap();
+    }
+    child.wait().unwrap();
+    landed
+}
+
 /// Compares two read models and describes the first differences.
 pub fn diff(
     expected: &BTreeMap<(String, String), Value>,

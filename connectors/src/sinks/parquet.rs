@@ -420,8 +420,8 @@ fn change_file_in(dir: &Path, first: Offset, last: Offset, partition_hash: &str)
     dir.clone().join(
         format!(
             "{}-{}-{partition_hash}.parquet",
-            encode::position_text(first),
-            encode::position_text(last)
+            first.sortable(),
+            last.sortable()
         )
         .as_str(),
     )

@@ -21,7 +21,6 @@ use std::collections::{HashMap, HashSet};
 
 use async_trait::async_trait;
 use refract_projections::WriteOp;
-use refract_schemas::Offset;
 use refract_schemas::config::{PostgresSinkConfig, mask_url};
 
 use crate::{Sink, SinkBatch, SinkError, WriteReport};
@@ -33,11 +32,6 @@ pub struct PostgresSink {
     client: Option<tokio_postgres::Client>,
     /// Collections whose table exists.
     ready: HashSet<String>,
-}
-
-/// The text of a position in `source_position`: sorts like the position.
-fn position_text(offset: Offset) -> String {
-    format!("{:020}.{:020}", offset.0, offset.1)
 }
 
 fn quote(name: &str) -> String {
@@ -165,7 +159,7 @@ impl Sink for PostgresSink {
                     body,
                 )) => (
                     body,
-                    Some((collection.to_string(), position_text(position.offset))),
+                    Some((collection.to_string(), position.offset.sortable())),
                 ),
                 _ => (segment, None),
             };
@@ -197,7 +191,7 @@ impl Sink for PostgresSink {
                         let json = serde_json::to_string(&**doc).expect("a JSON map serializes");
                         (
                             collection,
-                            Ok((key.clone(), json, position_text(position.offset))),
+                            Ok((key.clone(), json, position.offset.sortable())),
                         )
                     }
                     WriteOp::Delete {
@@ -206,10 +200,7 @@ impl Sink for PostgresSink {
                         position,
                     } => {
                         report.deleted += 1;
-                        (
-                            collection,
-                            Err((key.clone(), position_text(position.offset))),
-                        )
+                        (collection, Err((key.clone(), position.offset.sortable())))
                     }
                     _ => unreachable!("only upserts and deletes are indexed"),
                 };

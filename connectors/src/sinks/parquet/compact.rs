@@ -123,17 +123,7 @@ async fn read(
         .bytes()
         .await
         .map_err(|e| e.to_string())?;
-    let builder =
-        ParquetRecordBatchReaderBuilder::try_new(bytes).map_err(|e| format!("{path}: {e}"))?;
-    let schema = builder.schema().clone();
-    let reader = builder
-        .with_batch_size(READ_BATCH_ROWS)
-        .build()
-        .map_err(|e| format!("{path}: {e}"))?;
-    let batches = reader
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("{path}: {e}"))?;
-    Ok((schema, batches))
+    decode(path, bytes)
 }
 
 /// Keeps the rows of `batch` at or before `through` (by `_position`); `None` if none.
@@ -170,7 +160,7 @@ pub(crate) async fn cut_back(
     checkpoint: Offset,
 ) -> Result<Option<(Offset, bytes::Bytes)>, String> {
     let (schema, batches) = read(store, &file.path).await?;
-    let through = encode::position_text(checkpoint);
+    let through = checkpoint.sortable();
     let mut kept = Vec::new();
     let mut last = None;
     for batch in &batches {
@@ -294,7 +284,7 @@ async fn compact_table(
     };
     let mut fetched = Vec::new();
     for file in files {
-        if !merged_through.is_empty() && encode::position_text(file.last) <= merged_through {
+        if !merged_through.is_empty() && file.last.sortable() <= merged_through {
             continue;
         }
         let bytes = store
@@ -359,7 +349,7 @@ async fn retain(
     let cutoff = cutoff.format("%Y-%m-%d").to_string();
     let mut deleted = 0;
     for file in files {
-        if file.date < cutoff && encode::position_text(file.last).as_str() <= merged_through {
+        if file.date < cutoff && file.last.sortable().as_str() <= merged_through {
             match store.delete(&file.path).await {
                 Ok(()) | Err(object_store::Error::NotFound { .. }) => deleted += 1,
                 Err(e) => return Err(e.to_string()),

@@ -32,25 +32,6 @@ pub(crate) const META_SCHEMA_VERSION: &str = "refract.schema_version";
 /// File metadata (current state): the newest position merged into it.
 pub(crate) const META_MERGED_THROUGH: &str = "refract.merged_through";
 
-/// The text of a position in `_position` and file names: sorts like the position.
-pub(crate) fn position_text(offset: Offset) -> String {
-    let mut text = String::with_capacity(41);
-    push_padded(&mut text, offset.0);
-    text.push('.');
-    push_padded(&mut text, offset.1);
-    text
-}
-
-/// Appends `n` as 20 zero-padded digits (what `{:020}` prints, without the formatter).
-fn push_padded(text: &mut String, mut n: u64) {
-    let mut digits = [b'0'; 20];
-    for d in digits.iter_mut().rev() {
-        *d = b'0' + (n % 10) as u8;
-        n /= 10;
-    }
-    text.push_str(std::str::from_utf8(&digits).expect("ASCII digits"));
-}
-
 /// Arrow type of a flat column; timestamps are UTC microseconds.
 pub(crate) fn data_type(ty: FlatType) -> DataType {
     match ty {
@@ -185,9 +166,7 @@ pub(crate) fn record_batch(
     for row in rows {
         op.append_value(row.change.op.code());
         text.clear();
-        push_padded(&mut text, row.position.0);
-        text.push('.');
-        push_padded(&mut text, row.position.1);
+        row.position.write_sortable(&mut text);
         position.append_value(&text);
         commit.append_option(row.change.commit_ts_ms.map(|ms| ms.saturating_mul(1000)));
         for (i, column) in columns.iter_mut().enumerate() {
