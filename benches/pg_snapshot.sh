@@ -4,8 +4,10 @@
 # `COPY (SELECT * FROM t) TO STDOUT` of the same table into /dev/null, in the same run.
 # Each refract round starts from no slot and no state, so it creates the slot with an exported
 # snapshot and reads the table with COPY before streaming (what a first `refract run` does).
-# BACKFILL=1 times `refract backfill` instead (chunks through the WAL, what a re-read under load
-# or the rest of an interrupted snapshot does).
+# BACKFILL=1 times `refract backfill` instead, with no daemon running: it runs the pipeline itself
+# and reads the table from a temporary slot's exported snapshot (COPY) into its stream.
+# BACKFILL=daemon times the backfill while a daemon streams the pipeline: chunks through the WAL
+# (what a re-read beside a daemon, or the rest of an interrupted initial snapshot, does).
 # Prints `refract rows/s / COPY rows/s = ratio` and refract's peak RSS.
 #
 # Usage: benches/pg_snapshot.sh [ROWS]   (default 1000000; PG_URL as in the environment contract)
@@ -62,11 +64,22 @@ snapshot() {
         # The slot exists first (snapshot = never), then the backfill reads every row in chunks.
         sed 's/^snapshot = .*/snapshot = "never"/' "$work/snap.toml" > "$work/never.toml"
         RUST_LOG=warn "$refract" run "$work/never.toml" --until-caught-up >/dev/null
+        local daemon=""
+        if [ "$BACKFILL" = daemon ]; then
+            RUST_LOG=warn "$refract" run "$work/never.toml" >/dev/null 2>&1 &
+            daemon=$!
+            sleep 1
+        fi
         start=$(now)
         RUST_LOG=warn /usr/bin/time -f '%M' -o "$work/rss" "$refract" backfill "$work/never.toml" > "$work/backfill.out"
         python3 -c "import time; print(time.time() - $start)" >> "$work/refract_secs"
         cat "$work/rss" >> "$work/rss_all"
-        grep -q "r=$rows" "$work/backfill.out" || { cat "$work/backfill.out"; exit 1; }
+        if [ -n "$daemon" ]; then
+            kill -TERM "$daemon"; wait "$daemon" || true
+            grep -q "applied by the running daemon" "$work/backfill.out" || { cat "$work/backfill.out"; exit 1; }
+        else
+            grep -q "r=$rows" "$work/backfill.out" || { cat "$work/backfill.out"; exit 1; }
+        fi
         return
     fi
     start=$(now)
@@ -95,7 +108,11 @@ read = lambda f: [float(x) for x in open(f"{work}/{f}").read().split()]
 ref, copy, rss = min(read("refract_secs")), min(read("copy_secs")), max(read("rss_all"))
 r, c = rows / ref, rows / copy
 import os
-print("refract path: " + ("refract backfill (chunks through the WAL)" if os.environ.get("BACKFILL") else "initial snapshot (exported snapshot + COPY)"))
+path = {
+    "": "initial snapshot (exported snapshot + COPY)",
+    "daemon": "refract backfill beside a running daemon (chunks through the WAL; RSS is the backfill process's)",
+}.get(os.environ.get("BACKFILL", ""), "refract backfill, no daemon (temporary slot's exported snapshot + COPY, read into the stream)")
+print("refract path: " + path)
 print(f"table: {rows} rows (id int, name text, qty int, price numeric, note text) (best of 2 rounds)")
 print(f"snapshot rows/s: refract {r:,.0f} ({ref:.2f}s) / COPY TO STDOUT {c:,.0f} ({copy:.2f}s) = {r / c:.2f}x")
 print(f"refract peak RSS: {rss / 1024:.1f} MiB")

@@ -356,6 +356,51 @@ fn pgbench() -> std::path::PathBuf {
     panic!("pgbench not found");
 }
 
+/// A fresh table of `rows` rows (no note).
+fn filled_table(name: &str, rows: u64) {
+    fresh_table(name);
+    psql(&format!(
+        "INSERT INTO {name} SELECT g, 'row ' || g, g % 13, g * 0.25, NULL FROM generate_series(1, {rows}) g"
+    ));
+}
+
+/// Stops a load from [`update_delete_load`]; returns whether it was still running.
+fn stop_load(mut load: std::process::Child) -> bool {
+    let running = load.try_wait().unwrap().is_none();
+    if running {
+        load.kill().unwrap();
+        load.wait().unwrap();
+    } else {
+        assert!(load.wait().unwrap().success(), "pgbench failed");
+    }
+    running
+}
+
+/// After a backfill under [`update_delete_load`]: catches up, and the read model equals the table.
+fn assert_backfilled_under_load(
+    name: &str,
+    rows: u64,
+    pipeline: &Path,
+    out: &Path,
+    how: &str,
+    took: Duration,
+    load_running: bool,
+) {
+    catch_up(pipeline);
+    let expected = table_state(name);
+    assert!(
+        (expected.len() as u64) < rows,
+        "the load deleted rows ({} of {rows} left)",
+        expected.len()
+    );
+    assert_read_model(&expected, out, "after the backfill under load");
+    eprintln!(
+        "backfill {how} of {rows} rows took {:.1}s with 500 updates/deletes per second running (load still running at its end: {load_running}); {} rows equal",
+        took.as_secs_f64(),
+        expected.len()
+    );
+}
+
 /// A writer of random updates and deletes at `rate` transactions/s (two statements each), for
 /// `seconds`, through pgbench.
 fn update_delete_load(name: &str, rows: u64, rate: u32, seconds: u32) -> std::process::Child {
@@ -499,11 +544,8 @@ fn the_initial_snapshot_reads_existing_rows_and_resumes_after_sigkill() {
 #[test]
 fn the_initial_snapshot_is_consistent_with_writes_during_it() {
     let name = "pg_snapshot_live";
-    fresh_table(name);
     let rows = size(20_000, 50_000);
-    psql(&format!(
-        "INSERT INTO {name} SELECT g, 'row ' || g, g % 13, g * 0.25, NULL FROM generate_series(1, {rows}) g"
-    ));
+    filled_table(name, rows);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let pipeline = pipeline_file(dir.path(), name, &out);
@@ -530,11 +572,8 @@ fn the_initial_snapshot_is_consistent_with_writes_during_it() {
 #[test]
 fn backfill_while_the_daemon_streams_under_update_and_delete_load() {
     let name = "pg_backfill";
-    fresh_table(name);
     let rows = size(40_000, 1_000_000);
-    psql(&format!(
-        "INSERT INTO {name} SELECT g, 'row ' || g, g % 13, g * 0.25, NULL FROM generate_series(1, {rows}) g"
-    ));
+    filled_table(name, rows);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     // No initial snapshot: the read model starts empty and only the backfill fills it.
@@ -568,27 +607,64 @@ fn backfill_while_the_daemon_streams_under_update_and_delete_load() {
     );
     let stdout = String::from_utf8_lossy(&backfill.stdout);
     assert!(stdout.contains("applied by the running daemon"), "{stdout}");
-    let load_running = load.try_wait().unwrap().is_none();
-    if load_running {
-        load.kill().unwrap();
-        load.wait().unwrap();
-    } else {
-        assert!(load.wait().unwrap().success(), "pgbench failed");
-    }
+    let load_running = stop_load(load);
     daemon.terminate();
     assert!(daemon.child().wait().unwrap().success());
-    catch_up(&pipeline);
-    let expected = table_state(name);
-    assert!(
-        (expected.len() as u64) < rows,
-        "the load deleted rows ({} of {rows} left)",
-        expected.len()
+    assert_backfilled_under_load(
+        name,
+        rows,
+        &pipeline,
+        &out,
+        "beside the daemon",
+        started.elapsed(),
+        load_running,
     );
-    assert_read_model(&expected, &out, "after the backfill under load");
-    eprintln!(
-        "backfill of {rows} rows took {:.1}s with 500 updates/deletes per second running (load still running at its end: {load_running}); {} rows equal",
-        started.elapsed().as_secs_f64(),
-        expected.len()
+    drop_slot(name);
+}
+
+#[test]
+fn backfill_without_a_daemon_under_update_and_delete_load() {
+    // No daemon: `refract backfill` runs the pipeline itself and reads the rows from an exported
+    // snapshot (COPY) into its stream at the snapshot's consistent point.
+    let name = "pg_backfill_copy";
+    let rows = size(40_000, 1_000_000);
+    filled_table(name, rows);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let pipeline = pipeline_file_with(dir.path(), name, &out, "snapshot = \"never\"");
+    catch_up(&pipeline);
+    assert!(read_output(&out).is_empty(), "nothing before the backfill");
+    // Changes before the backfill, still to be streamed when it starts: the snapshot holds
+    // their results, the stream applies them first.
+    psql(&format!(
+        "UPDATE {name} SET note = 'before' WHERE id % 1000 = 0; DELETE FROM {name} WHERE id % 1000 = 1"
+    ));
+    let seconds = (10 + rows / 20_000) as u32;
+    let mut load = update_delete_load(name, rows, 250, seconds);
+    std::thread::sleep(Duration::from_secs(2));
+    let started = std::time::Instant::now();
+    let backfill = output(
+        refract()
+            .env("RUST_LOG", "info")
+            .args(["--log-format", "json", "backfill"])
+            .arg(&pipeline),
+    );
+    let log = String::from_utf8_lossy(&backfill.stderr);
+    assert!(backfill.status.success(), "backfill failed: {log}");
+    assert!(
+        log.contains("backfill read from its exported snapshot"),
+        "the fast path ran: {log}"
+    );
+    let elapsed = started.elapsed();
+    let load_running = stop_load(load);
+    assert_backfilled_under_load(
+        name,
+        rows,
+        &pipeline,
+        &out,
+        "from an exported snapshot",
+        elapsed,
+        load_running,
     );
     drop_slot(name);
 }
@@ -598,7 +674,7 @@ fn backfill_without_a_daemon_resumes_and_re_reads_only_the_named_table() {
     let name = "pg_backfill_solo";
     fresh_table(name);
     psql(&format!(
-        "INSERT INTO {name} SELECT g, 'row ' || g, g, g, NULL FROM generate_series(1, 5000) g"
+        "INSERT INTO {name} SELECT g, 'row ' || g, g, g, NULL FROM generate_series(1, 60000) g"
     ));
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
@@ -612,8 +688,8 @@ fn backfill_without_a_daemon_resumes_and_re_reads_only_the_named_table() {
     assert!(read_output(&out).is_empty());
     let other_name = format!("{name}_other");
     let (_other_dir, _, other_pipeline) = setup(&other_name);
-    // Kill the first backfill halfway; the second resumes it.
-    let progress_file = dir.path().join(format!("state/{name}/backfill.json"));
+    // Kill the first backfill halfway (once it noted a key it reached); the second resumes it.
+    let progress_file = dir.path().join(format!("state/{name}/backfill-copy.json"));
     let mut first = Running::spawn(
         refract()
             .arg("backfill")
@@ -624,7 +700,7 @@ fn backfill_without_a_daemon_resumes_and_re_reads_only_the_named_table() {
             .stderr(Stdio::null()),
     );
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while !std::fs::read_to_string(&progress_file).is_ok_and(|t| t.contains("\"after\": [")) {
+    while !std::fs::read_to_string(&progress_file).is_ok_and(|t| t.contains("\"marks\":[[")) {
         assert!(
             std::time::Instant::now() < deadline,
             "the backfill made no progress"

@@ -1,20 +1,33 @@
-//! The initial snapshot's fast path: an exported snapshot read with COPY.
+//! The fast path of snapshots and backfills: an exported snapshot read with COPY.
 //!
-//! When refract creates the slot itself it asks the replication session to export the snapshot the
-//! slot starts from (`CREATE_REPLICATION_SLOT … EXPORT_SNAPSHOT`), imports it into a REPEATABLE
-//! READ transaction and reads every published table with COPY, in primary-key order, before the
-//! first streamed change: rows exactly as of the slot's start, no locks, no WAL written. The rows
-//! take positions `(consistent point - 1, (table + 1) << 40 | row)`, below every streamed change.
-//! Every 10,000 rows the key reached is noted (no fsync needed: an older note only re-reads more).
-//! If the process dies before the rows are durable, the next start turns the notes and the
-//! durable checkpoint into chunk progress, and the rest is read in chunks (the parent module), which are
-//! consistent with the stream at any time.
+//! **Initial snapshot.** When refract creates the slot itself it asks the replication session
+//! to export the snapshot the slot starts from (`CREATE_REPLICATION_SLOT … EXPORT_SNAPSHOT`),
+//! imports it into a REPEATABLE READ transaction and reads every published table with COPY, in
+//! primary-key order, before the first streamed change: rows exactly as of the slot's start, no
+//! locks, no WAL written.
+//!
+//! **Backfill without a daemon.** `refract backfill` runs the pipeline itself; it creates a
+//! *temporary* slot exporting its snapshot, imports it, and drops the slot (its session ends).
+//! The snapshot holds every transaction that committed before the temporary slot's consistent
+//! point `C` and none after, so its rows go into the pipeline's own stream exactly there: after
+//! every transaction whose commit LSN is below `C`, before the first at or after it. A row
+//! changed or deleted during the backfill therefore ends as the source has it, as with chunks,
+//! but read at COPY speed.
+//!
+//! Either way the rows take positions `(C - 1, (table + 1) << 40 | row)`, below every change
+//! committed after `C`. Every 10,000 rows the key reached is noted (no fsync needed: an older
+//! note only re-reads more). If the process dies before the rows are durable, the next start
+//! turns the notes and the durable checkpoint into chunk progress (`snapshot.json` or
+//! `backfill.json`): the rest of an initial snapshot is read in chunks (the parent module),
+//! which are consistent with the stream at any time; a backfill resumes with a new exported
+//! snapshot after the last durable key.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::{State, TableState, persist, published_tables, table_shape};
+use super::{ChunkProgress, State, TableState, persist, published_tables, table_shape};
 use crate::SourceError;
 use crate::sources::postgres::source::{self, io, quote_ident};
 
@@ -23,15 +36,50 @@ const COPY_MARK_ROWS: u64 = 10_000;
 /// Row numbers below this in a copy position; the table index is above.
 const COPY_TABLE_SHIFT: u32 = 40;
 
-/// Where the fast path notes what it handed out.
-pub fn copy_progress_path(state_dir: &Path) -> PathBuf {
-    state_dir.join("snapshot-copy.json")
+/// What an exported snapshot is read for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyKind {
+    /// The initial snapshot, read before the stream.
+    Snapshot,
+    /// A backfill run without a daemon, read into the stream at its consistent point.
+    Backfill,
+}
+
+impl CopyKind {
+    const ALL: [CopyKind; 2] = [CopyKind::Snapshot, CopyKind::Backfill];
+
+    /// Where the fast path notes what it handed out.
+    pub fn notes_path(self, state_dir: &Path) -> PathBuf {
+        state_dir.join(match self {
+            CopyKind::Snapshot => "snapshot-copy.json",
+            CopyKind::Backfill => "backfill-copy.json",
+        })
+    }
+
+    /// The chunk progress an interrupted read turns into.
+    fn progress_path(self, state_dir: &Path) -> PathBuf {
+        state_dir.join(match self {
+            CopyKind::Snapshot => "snapshot.json",
+            CopyKind::Backfill => "backfill.json",
+        })
+    }
+
+    /// How logs name it.
+    pub fn label(self) -> &'static str {
+        match self {
+            CopyKind::Snapshot => "initial snapshot",
+            CopyKind::Backfill => "backfill",
+        }
+    }
 }
 
 #[derive(Debug, Serialize, Deserialize)]
 struct CopyState {
     /// The positions' LSN.
     lsn: u64,
+    /// The tables asked for (a backfill's `--table`s; empty: all).
+    #[serde(default)]
+    scope: Vec<String>,
     tables: Vec<CopyTableState>,
 }
 
@@ -43,6 +91,15 @@ struct CopyTableState {
     /// The sequence of the table's last row, once all were handed out.
     end: Option<u64>,
     skipped: Option<String>,
+    /// Where the read started (after this key), for a backfill resumed by this read.
+    #[serde(default)]
+    after: Option<Vec<String>>,
+    /// Rows read before this read started.
+    #[serde(default)]
+    base_rows: u64,
+    /// Read completely before this read started.
+    #[serde(default)]
+    done: bool,
 }
 
 /// A table as the fast path reads it.
@@ -59,13 +116,47 @@ pub struct CopyTable {
     sql: String,
 }
 
+/// A table a backfill asks the fast path for, as its chunk progress has it.
+#[derive(Debug, Clone)]
+pub struct PlannedTable {
+    /// `schema.table`.
+    pub table: String,
+    /// Resume after this key (text per key column).
+    pub after: Option<Vec<String>>,
+    /// Rows read by an earlier, interrupted run.
+    pub rows: u64,
+    /// Nothing left to read.
+    pub done: bool,
+    /// Left out, with the reason.
+    pub skipped: Option<String>,
+}
+
+/// What to read from an exported snapshot.
+pub struct CopyPlan<'a> {
+    /// The pipeline's publication.
+    pub publication: &'a str,
+    /// The pipeline's state directory (notes).
+    pub state_dir: &'a Path,
+    /// The tables, as a backfill's chunk progress planned them; every published table when
+    /// `None`.
+    pub tables: Option<Vec<PlannedTable>>,
+    /// The tables asked for (kept with the notes, so a resumed backfill is recognized).
+    pub scope: Vec<String>,
+    /// Counters the read updates.
+    pub progress: Arc<ChunkProgress>,
+}
+
 /// An exported snapshot being read with COPY (see above).
 pub struct CopySnapshot {
     client: tokio_postgres::Client,
+    /// What it is read for.
+    pub kind: CopyKind,
     /// The tables to read (those without a primary key are left out, with a warning).
     pub tables: Vec<CopyTable>,
-    /// The LSN of the rows' positions.
+    /// The LSN of the rows' positions (the consistent point minus one).
     pub lsn: u64,
+    /// Rows handed out (with those of an earlier run) and the estimated total.
+    pub progress: Arc<ChunkProgress>,
     path: PathBuf,
     state: CopyState,
 }
@@ -112,6 +203,173 @@ impl CopySnapshot {
     }
 }
 
+/// Creates slot `slot` (temporary or not) on the gated replication session `replication`,
+/// exporting its snapshot, and imports the snapshot on a new connection (before the session
+/// runs anything else, which would end the export). Returns the connection, inside the
+/// snapshot's transaction, and the slot's consistent point.
+async fn export_and_import(
+    replication: &mut pgwire_replication::ReplicationClient,
+    url: &str,
+    slot: &str,
+    temporary: bool,
+) -> Result<(tokio_postgres::Client, u64), SourceError> {
+    let rows = replication
+        .simple_query(&format!(
+            "CREATE_REPLICATION_SLOT {}{} LOGICAL pgoutput EXPORT_SNAPSHOT",
+            quote_ident(slot),
+            if temporary { " TEMPORARY" } else { "" }
+        ))
+        .await
+        .map_err(|e| SourceError::Io {
+            message: format!("cannot create replication slot `{slot}`: {e}"),
+            source: None,
+        })?;
+    let text = |i: usize| -> Option<String> {
+        rows.first()
+            .and_then(|r| r.get(i).cloned().flatten())
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+    };
+    let (Some(consistent), Some(snapshot)) = (text(1), text(2)) else {
+        return Err(SourceError::Inconsistent(
+            "CREATE_REPLICATION_SLOT returned no consistent point or snapshot".into(),
+        ));
+    };
+    let consistent = source::parse_lsn(&consistent)?;
+    tracing::info!(%slot, temporary, snapshot = %snapshot, consistent_point = consistent, "created replication slot with an exported snapshot");
+    let client = source::connect(url).await?;
+    client
+        .batch_execute(&format!(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET TRANSACTION SNAPSHOT '{}'; \
+             SET LOCAL DateStyle = 'ISO'",
+            snapshot.replace('\'', "''")
+        ))
+        .await
+        .map_err(io("cannot import the slot's snapshot"))?;
+    Ok((client, consistent))
+}
+
+/// Plans the COPY of `tables` (every published table when `None`) inside the imported snapshot
+/// and writes the first notes.
+async fn plan_copy(
+    client: tokio_postgres::Client,
+    kind: CopyKind,
+    consistent: u64,
+    plan: CopyPlan<'_>,
+) -> Result<CopySnapshot, SourceError> {
+    let CopyPlan {
+        publication,
+        state_dir,
+        tables,
+        scope,
+        progress,
+    } = plan;
+    let planned = match tables {
+        Some(t) => t,
+        None => published_tables(&client, publication)
+            .await?
+            .into_iter()
+            .map(|table| PlannedTable {
+                table,
+                after: None,
+                rows: 0,
+                done: false,
+                skipped: None,
+            })
+            .collect(),
+    };
+    let mut copy_tables = Vec::new();
+    let mut state = CopyState {
+        lsn: consistent.saturating_sub(1),
+        scope,
+        tables: Vec::new(),
+    };
+    for plan in planned {
+        let note = |skipped: Option<String>| CopyTableState {
+            table: plan.table.clone(),
+            marks: Vec::new(),
+            end: None,
+            skipped,
+            after: plan.after.clone(),
+            base_rows: plan.rows,
+            done: plan.done,
+        };
+        if plan.skipped.is_some() || plan.done {
+            state.tables.push(note(plan.skipped.clone()));
+            continue;
+        }
+        let shape = table_shape(&client, publication, &plan.table).await?;
+        if shape.key.is_empty() {
+            let reason = "no primary key: it cannot be read in key order (add one, or leave it out of the publication)";
+            tracing::warn!(table = %plan.table, reason, "table left out of the {}", kind.label());
+            state.tables.push(note(Some(reason.into())));
+            continue;
+        }
+        let key: Vec<String> = shape.key.iter().map(|(c, _)| c.clone()).collect();
+        let key_index = key
+            .iter()
+            .map(|k| shape.columns.iter().position(|(c, _)| c == k).unwrap_or(0))
+            .collect();
+        let quoted_key: Vec<String> = key.iter().map(|k| quote_ident(k)).collect();
+        // COPY takes no parameters: the resume key goes in as typed literals.
+        let filter = match &plan.after {
+            Some(after) => format!(
+                " WHERE ({}) > ({})",
+                quoted_key.join(", "),
+                after
+                    .iter()
+                    .zip(&shape.key)
+                    .map(|(v, (_, ty))| format!("'{}'::{ty}", v.replace('\'', "''")))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            None => String::new(),
+        };
+        let sql = format!(
+            "COPY (SELECT {} FROM {}{filter} ORDER BY {}) TO STDOUT",
+            shape
+                .columns
+                .iter()
+                .map(|(c, _)| quote_ident(c))
+                .collect::<Vec<_>>()
+                .join(", "),
+            shape.quoted,
+            quoted_key.join(", ")
+        );
+        if kind == CopyKind::Snapshot {
+            // A backfill's chunk progress has its estimates already.
+            let estimate: i64 = client
+                .query_one(
+                    "SELECT reltuples::int8 FROM pg_class WHERE oid = $1::text::regclass",
+                    &[&shape.quoted],
+                )
+                .await
+                .map_or(0, |r| r.get(0));
+            progress
+                .total
+                .fetch_add(estimate.max(0) as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+        state.tables.push(note(None));
+        copy_tables.push(CopyTable {
+            table: plan.table,
+            key,
+            columns: shape.columns,
+            key_index,
+            sql,
+        });
+    }
+    let path = kind.notes_path(state_dir);
+    persist(&path, &state)?;
+    Ok(CopySnapshot {
+        client,
+        kind,
+        tables: copy_tables,
+        lsn: state.lsn,
+        progress,
+        path,
+        state,
+    })
+}
+
 /// Creates slot `slot` on a gated replication session, exporting its snapshot, imports the
 /// snapshot on a new connection and lists the tables to read; then starts the stream (which is
 /// read after the tables). `cfg` is the stream's configuration.
@@ -129,120 +387,82 @@ pub async fn create_slot_exporting(
     let mut replication = pgwire_replication::ReplicationClient::connect_gated(cfg.clone())
         .await
         .map_err(|e| fail("cannot open a replication session", e))?;
-    let rows = replication
-        .simple_query(&format!(
-            "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput EXPORT_SNAPSHOT",
-            quote_ident(slot)
-        ))
-        .await
-        .map_err(|e| fail(&format!("cannot create replication slot `{slot}`"), e))?;
-    let text = |i: usize| -> Option<String> {
-        rows.first()
-            .and_then(|r| r.get(i).cloned().flatten())
-            .map(|b| String::from_utf8_lossy(&b).into_owned())
-    };
-    let (Some(consistent), Some(snapshot)) = (text(1), text(2)) else {
-        return Err(SourceError::Inconsistent(
-            "CREATE_REPLICATION_SLOT returned no consistent point or snapshot".into(),
-        ));
-    };
-    let consistent = source::parse_lsn(&consistent)?;
-    tracing::info!(%slot, snapshot = %snapshot, "created replication slot with an exported snapshot");
-
-    let client = source::connect(url).await?;
-    client
-        .batch_execute(&format!(
-            "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET TRANSACTION SNAPSHOT '{}'; \
-             SET LOCAL DateStyle = 'ISO'",
-            snapshot.replace('\'', "''")
-        ))
-        .await
-        .map_err(io("cannot import the slot's snapshot"))?;
-    let mut tables = Vec::new();
-    let mut state = CopyState {
-        lsn: consistent.saturating_sub(1),
-        tables: Vec::new(),
-    };
-    for table in published_tables(&client, publication).await? {
-        let shape = table_shape(&client, publication, &table).await?;
-        if shape.key.is_empty() {
-            let reason = "no primary key: it cannot be read in key order (add one, or leave it out of the publication)";
-            tracing::warn!(%table, reason, "table left out of the snapshot");
-            state.tables.push(CopyTableState {
-                table,
-                marks: Vec::new(),
-                end: None,
-                skipped: Some(reason.into()),
-            });
-            continue;
-        }
-        let key: Vec<String> = shape.key.iter().map(|(c, _)| c.clone()).collect();
-        let key_index = key
-            .iter()
-            .map(|k| shape.columns.iter().position(|(c, _)| c == k).unwrap_or(0))
-            .collect();
-        let sql = format!(
-            "COPY (SELECT {} FROM {} ORDER BY {}) TO STDOUT",
-            shape
-                .columns
-                .iter()
-                .map(|(c, _)| quote_ident(c))
-                .collect::<Vec<_>>()
-                .join(", "),
-            shape.quoted,
-            key.iter()
-                .map(|k| quote_ident(k))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        state.tables.push(CopyTableState {
-            table: table.clone(),
-            marks: Vec::new(),
-            end: None,
-            skipped: None,
-        });
-        tables.push(CopyTable {
-            table,
-            key,
-            columns: shape.columns,
-            key_index,
-            sql,
-        });
-    }
-    let path = copy_progress_path(state_dir);
-    persist(&path, &state)?;
+    let (client, consistent) = export_and_import(&mut replication, url, slot, false).await?;
+    let copy = plan_copy(
+        client,
+        CopyKind::Snapshot,
+        consistent,
+        CopyPlan {
+            publication,
+            state_dir,
+            tables: None,
+            scope: Vec::new(),
+            progress: Arc::new(ChunkProgress::default()),
+        },
+    )
+    .await?;
     replication
         .start()
         .await
         .map_err(|e| fail("cannot start replication", e))?;
-    Ok((
-        replication,
-        CopySnapshot {
-            client,
-            tables,
-            lsn: state.lsn,
-            path,
-            state,
-        },
-    ))
+    Ok((replication, copy))
 }
 
-/// After a restart: turns what an interrupted fast-path snapshot noted, and the durable
-/// checkpoint `durable` of the stream, into chunk progress (`snapshot.json`), so the chunked
-/// reader finishes what was not durable. Nothing to do without notes.
+/// The fast path of a backfill run without a daemon: a temporary slot `{slot}_backfill`
+/// exports a snapshot, which is imported for reading the planned tables with COPY; the slot
+/// goes away with its session. The rows belong at the returned snapshot's `lsn + 1` in the
+/// pipeline's stream (see the module documentation).
+pub async fn export_for_backfill(
+    cfg: &pgwire_replication::ReplicationConfig,
+    url: &str,
+    slot: &str,
+    plan: CopyPlan<'_>,
+) -> Result<CopySnapshot, SourceError> {
+    let mut replication = pgwire_replication::ReplicationClient::connect_gated(cfg.clone())
+        .await
+        .map_err(|e| SourceError::Io {
+            message: format!("cannot open a replication session for the backfill: {e}"),
+            source: None,
+        })?;
+    // Slot names have at most 63 bytes; the pipeline's own slot name may already be long.
+    let mut temporary: String = slot.chars().take(63 - "_backfill".len()).collect();
+    temporary.push_str("_backfill");
+    let imported = export_and_import(&mut replication, url, &temporary, true).await;
+    // The snapshot is imported (or failed): the temporary slot is no longer needed.
+    replication.stop();
+    let (client, consistent) = imported?;
+    plan_copy(client, CopyKind::Backfill, consistent, plan).await
+}
+
+/// After a restart (and once a read's rows are durable): turns what an interrupted fast-path
+/// read noted, and the durable checkpoint `durable` of the stream, into chunk progress
+/// (`snapshot.json` or `backfill.json`), so the chunked reader, or a new backfill, finishes what
+/// was not durable. Nothing to do without notes.
 pub fn resume_after_copy(
     state_dir: &Path,
     durable: Option<refract_schemas::Offset>,
 ) -> Result<(), SourceError> {
-    let copy_path = copy_progress_path(state_dir);
+    for kind in CopyKind::ALL {
+        resume_kind(kind, state_dir, durable)?;
+    }
+    Ok(())
+}
+
+fn resume_kind(
+    kind: CopyKind,
+    state_dir: &Path,
+    durable: Option<refract_schemas::Offset>,
+) -> Result<(), SourceError> {
+    let copy_path = kind.notes_path(state_dir);
+    let progress_path = kind.progress_path(state_dir);
     let copy: CopyState = match std::fs::read(&copy_path) {
         Ok(bytes) => match serde_json::from_slice(&bytes) {
             Ok(c) => c,
             Err(e) => {
-                // A note torn by a power loss: read every table again in chunks.
-                tracing::warn!(error = %e, "snapshot notes unreadable: the snapshot is read again in chunks");
+                // A note torn by a power loss: read every table again.
+                tracing::warn!(error = %e, "{} notes unreadable: every table is read again", kind.label());
                 let _ = std::fs::remove_file(&copy_path);
-                return persist(&state_dir.join("snapshot.json"), &State::default());
+                return persist(&progress_path, &State::default());
             }
         },
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
@@ -254,61 +474,60 @@ pub fn resume_after_copy(
         }
     };
     let mut state = State {
-        scope: Vec::new(),
+        scope: copy.scope,
         planned: true,
         tables: Vec::new(),
         complete: false,
     };
-    match durable {
-        // The stream went past the snapshot: every row of it is durable.
-        Some(refract_schemas::Offset(lsn, _)) if lsn > copy.lsn => state.complete = true,
-        _ => {
-            let durable_seq = match durable {
-                Some(refract_schemas::Offset(lsn, seq)) if lsn == copy.lsn => seq,
-                _ => 0,
-            };
-            let mut index = 0usize;
-            for t in copy.tables {
-                if let Some(reason) = t.skipped {
-                    state.tables.push(TableState {
-                        table: t.table,
-                        estimate: 0,
-                        after: None,
-                        rows: 0,
-                        done: true,
-                        skipped: Some(reason),
-                    });
-                    continue;
-                }
-                let first = CopySnapshot::seq(index, 0);
-                // All rows handed out and durable (or there were none).
-                let done = t.end.is_some_and(|end| end == first || durable_seq >= end);
-                let mark = t
-                    .marks
-                    .iter()
-                    .rev()
-                    .find(|(seq, _)| *seq <= durable_seq && *seq > first);
-                state.tables.push(TableState {
-                    table: t.table,
-                    estimate: 0,
-                    after: if done {
-                        None
-                    } else {
-                        mark.map(|(_, k)| k.clone())
-                    },
-                    rows: mark.map_or(0, |(seq, _)| seq - first),
-                    done,
-                    skipped: None,
-                });
-                index += 1;
-            }
-            state.complete = state.tables.iter().all(|t| t.done);
-            if !state.complete {
-                tracing::info!("the snapshot was interrupted: reading the rest in chunks");
-            }
+    // The stream went past the rows: every one of them is durable.
+    let all_durable = matches!(durable, Some(refract_schemas::Offset(lsn, _)) if lsn > copy.lsn);
+    let durable_seq = match durable {
+        Some(refract_schemas::Offset(lsn, seq)) if lsn == copy.lsn => seq,
+        _ => 0,
+    };
+    let mut index = 0usize;
+    for t in copy.tables {
+        if t.skipped.is_some() || t.done {
+            state.tables.push(TableState {
+                table: t.table,
+                estimate: 0,
+                after: None,
+                rows: t.base_rows,
+                done: true,
+                skipped: t.skipped,
+            });
+            continue;
         }
+        let first = CopySnapshot::seq(index, 0);
+        index += 1;
+        // All rows handed out and durable (or there were none).
+        let done = all_durable || t.end.is_some_and(|end| end == first || durable_seq >= end);
+        let mark = t
+            .marks
+            .iter()
+            .rev()
+            .find(|(seq, _)| *seq <= durable_seq && *seq > first);
+        state.tables.push(TableState {
+            table: t.table,
+            estimate: 0,
+            after: if done {
+                None
+            } else {
+                mark.map(|(_, k)| k.clone()).or(t.after)
+            },
+            rows: t.base_rows + mark.map_or(0, |(seq, _)| seq - first),
+            done,
+            skipped: None,
+        });
     }
-    persist(&state_dir.join("snapshot.json"), &state)?;
+    state.complete = state.tables.iter().all(|t| t.done);
+    if !state.complete {
+        tracing::info!(
+            "the {} was interrupted: the rest is read from the last durable key",
+            kind.label()
+        );
+    }
+    persist(&progress_path, &state)?;
     std::fs::remove_file(&copy_path).map_err(|e| SourceError::Io {
         message: format!("cannot remove {}", copy_path.display()),
         source: Some(e),

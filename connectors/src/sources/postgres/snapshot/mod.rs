@@ -31,8 +31,8 @@ use crate::SourceError;
 
 mod copy;
 pub use copy::{
-    CopySnapshot, CopyTable, copy_progress_path, create_slot_exporting, parse_copy_line,
-    resume_after_copy,
+    CopyKind, CopyPlan, CopySnapshot, CopyTable, PlannedTable, create_slot_exporting,
+    export_for_backfill, parse_copy_line, resume_after_copy,
 };
 
 /// Prefix of the chunk messages of slot `slot` (other slots' chunks are ignored).
@@ -199,6 +199,24 @@ impl Chunker {
     /// The shared progress counters.
     pub fn progress(&self) -> Arc<ChunkProgress> {
         self.progress.clone()
+    }
+
+    /// The planned tables with what an earlier run read of them, and the scope, for reading
+    /// the rest another way (the backfill's fast path) instead of in chunks.
+    pub fn into_plan(self) -> (Vec<PlannedTable>, Vec<String>) {
+        let tables = self
+            .state
+            .tables
+            .into_iter()
+            .map(|t| PlannedTable {
+                table: t.table,
+                after: t.after,
+                rows: t.rows,
+                done: t.done,
+                skipped: t.skipped,
+            })
+            .collect();
+        (tables, self.state.scope)
     }
 
     async fn plan(&mut self) -> Result<(), SourceError> {

@@ -7,7 +7,7 @@ use super::*;
 
 impl Reader {
     /// Reads the exported snapshot's tables with COPY, handing every row out as a read event
-    /// before the stream. Returns false when stopped on request (the next start resumes).
+    /// (before the stream, or where the stream reached the snapshot). Returns false when stopped on request (the next start resumes).
     pub(super) async fn read_copy(
         &mut self,
         mut copy: CopySnapshot,
@@ -34,6 +34,7 @@ impl Reader {
             // The fields' vector, kept between messages (emptied, so it borrows nothing).
             let mut spare: Vec<Option<Cow<'static, str>>> = Vec::with_capacity(names.len());
             let mut row = 0u64;
+            let mut counted = 0u64;
             loop {
                 let data = match stream.next().await {
                     Some(Ok(data)) => data,
@@ -83,6 +84,10 @@ impl Reader {
                     self.push_read(&table, &shape, &names, &fields, position, None);
                 }
                 spare = recycle(fields);
+                copy.progress
+                    .rows
+                    .fetch_add(row - counted, Ordering::Relaxed);
+                counted = row;
                 if carried {
                     pending.drain(..start);
                 } else {
@@ -99,12 +104,13 @@ impl Reader {
             self.flush(out).await?;
             copy.end(index, CopySnapshot::seq(index, row))?;
             total += row;
-            tracing::info!(table = %t.table, rows = row, "table read from the slot's snapshot");
+            tracing::info!(table = %t.table, rows = row, "table read from the exported snapshot");
         }
         tracing::info!(
             rows = total,
             secs = started.elapsed().as_secs_f64(),
-            "initial snapshot read; streaming from the slot"
+            "{} read from its exported snapshot; streaming from the slot",
+            copy.kind.label()
         );
         Ok(true)
     }

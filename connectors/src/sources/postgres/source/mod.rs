@@ -267,7 +267,7 @@ impl Source for PostgresSource {
         } else {
             None
         };
-        let chunker = match chunk_job {
+        let mut chunker = match chunk_job {
             Some((path, tables, restart)) => Some(
                 Chunker::prepare(
                     &self.config.url,
@@ -283,11 +283,20 @@ impl Source for PostgresSource {
             None => None,
         };
 
+        // A backfill run by this process reads an exported snapshot (the fast path) into the
+        // stream; its chunk progress only says where to start.
+        let backfill_plan = if self.context.backfill.is_some() {
+            chunker.take()
+        } else {
+            None
+        };
+
         // The caught-up marker, written after the slot exists so the stream is sure to reach it;
-        // after the last chunk when rows are being read.
+        // after the last chunk when rows are being read, after the backfill's snapshot exists
+        // when it is read.
         let mut caught_up = CaughtUp::Never;
         let mut marker_tx = None;
-        if mode == ReadMode::UntilCaughtUp && !export_snapshot {
+        if mode == ReadMode::UntilCaughtUp && !export_snapshot && backfill_plan.is_none() {
             if chunker.is_some() {
                 let (tx, rx) = oneshot::channel();
                 caught_up = CaughtUp::Pending(rx);
@@ -328,11 +337,40 @@ impl Source for PostgresSource {
             }
             (replication, Some(copy))
         } else {
+            let copy = match backfill_plan {
+                Some(plan) => {
+                    let progress = plan.progress();
+                    let (tables, scope) = plan.into_plan();
+                    let copy = snapshot::export_for_backfill(
+                        &cfg,
+                        &self.config.url,
+                        &self.slot,
+                        snapshot::CopyPlan {
+                            publication: &self.publication,
+                            state_dir: &self.context.state_dir,
+                            tables: Some(tables),
+                            scope,
+                            progress,
+                        },
+                    )
+                    .await?;
+                    // After the snapshot's consistent point: the stream reaches the point
+                    // where the rows go before it reaches the marker.
+                    if mode == ReadMode::UntilCaughtUp {
+                        caught_up = CaughtUp::At(emit_caught_up_marker(&client).await?);
+                    }
+                    Some(copy)
+                }
+                None => None,
+            };
             (
                 start_replication(&cfg, start_lsn, resume, &self.slot).await?,
-                None,
+                copy,
             )
         };
+        if let Some(copy) = &copy {
+            self.chunks = Some(copy.progress.clone());
+        }
 
         let (tx, rx) = mpsc::channel(CHANNEL_CHUNKS);
         if let Some(chunker) = chunker {
@@ -583,7 +621,8 @@ struct Reader {
     last_sent: Option<Offset>,
     /// The checkpoint the run started from.
     resumed_from: Option<Offset>,
-    /// An exported snapshot to read before the stream (the initial snapshot's fast path).
+    /// An exported snapshot to read: before the stream (initial snapshot), or where the stream
+    /// reaches its consistent point (a backfill's fast path).
     copy: Option<CopySnapshot>,
     /// The position of its last row, until that is durable.
     copy_end: Option<Offset>,

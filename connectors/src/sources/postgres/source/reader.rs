@@ -11,21 +11,14 @@ impl Reader {
         mut durable: watch::Receiver<Checkpoint>,
         mut stop: watch::Receiver<bool>,
     ) {
-        if let Some(copy) = self.copy.take() {
-            let lsn = copy.lsn;
-            match self.read_copy(copy, &out, &stop).await {
-                Ok(true) => match self.last_sent {
-                    // Complete once the last row is durable (see the durable branch).
-                    Some(last) => self.copy_end = Some(last),
-                    None => {
-                        if let Err(e) =
-                            snapshot::resume_after_copy(&self.state_dir, Some(Offset(lsn + 1, 0)))
-                        {
-                            let _ = out.send(Err(e)).await;
-                            return;
-                        }
-                    }
-                },
+        // The initial snapshot goes before the stream; a backfill's where the stream reaches it.
+        if self
+            .copy
+            .as_ref()
+            .is_some_and(|c| c.kind == snapshot::CopyKind::Snapshot)
+        {
+            match self.read_pending_copy(&out, &stop).await {
+                Ok(true) => {}
                 Ok(false) => {
                     replication.stop();
                     return;
@@ -98,6 +91,44 @@ impl Reader {
         if let Err(e) = result {
             let _ = out.send(Err(e)).await;
         }
+    }
+
+    /// Reads the exported snapshot waiting to be read, if any. Returns false when stopped on
+    /// request (the next start resumes).
+    async fn read_pending_copy(
+        &mut self,
+        out: &Chunks,
+        stop: &watch::Receiver<bool>,
+    ) -> Result<bool, SourceError> {
+        let Some(copy) = self.copy.take() else {
+            return Ok(true);
+        };
+        let lsn = copy.lsn;
+        self.flush(out).await?;
+        if !self.read_copy(copy, out, stop).await? {
+            return Ok(false);
+        }
+        match self.copy_end_after(lsn) {
+            // Complete once the last row is durable (see the durable branch).
+            Some(last) => self.copy_end = Some(last),
+            // No rows: complete now.
+            None => snapshot::resume_after_copy(&self.state_dir, Some(Offset(lsn + 1, 0)))?,
+        }
+        Ok(true)
+    }
+
+    /// The position of the last row the copy at `lsn` handed out, if any did.
+    fn copy_end_after(&self, lsn: u64) -> Option<Offset> {
+        self.last_sent.filter(|o| o.0 == lsn)
+    }
+
+    /// Whether the stream has reached the point where a backfill's snapshot rows go: `at` is the
+    /// commit LSN of the next transaction, or a position the stream has passed with no
+    /// transaction open.
+    fn backfill_due(&self, at: u64) -> bool {
+        self.copy
+            .as_ref()
+            .is_some_and(|c| c.kind == snapshot::CopyKind::Backfill && at > c.lsn)
     }
 
     /// Waits (a bounded time) for the runtime's final checkpoint to cover everything handed
@@ -223,6 +254,22 @@ impl Reader {
                 self.flush(out).await?;
                 return Ok(Ended::Done);
             };
+            // A backfill's snapshot holds every transaction committed before its consistent
+            // point and none after: its rows go before the first transaction at or past it.
+            let reached = match &event {
+                ReplicationEvent::Begin { final_lsn, .. } => Some(final_lsn.as_u64()),
+                ReplicationEvent::Message { lsn, .. } if self.tx.is_none() => Some(lsn.as_u64()),
+                ReplicationEvent::KeepAlive { wal_end, .. } if self.tx.is_none() => {
+                    Some(wal_end.as_u64())
+                }
+                _ => None,
+            };
+            if reached.is_some_and(|at| self.backfill_due(at)) {
+                if !self.read_pending_copy(out, stop).await? {
+                    return Ok(Ended::Done);
+                }
+                in_flight_free = false;
+            }
             match event {
                 ReplicationEvent::Begin {
                     final_lsn,
