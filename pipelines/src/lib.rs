@@ -6,3 +6,4 @@ pub mod checkpoint;
 pub mod drop;
 pub mod plan;
 pub mod runtime;
+pub mod verify;

@@ -85,6 +85,13 @@ enum Command {
         /// The pipeline file.
         pipeline: PathBuf,
     },
+    /// Recompute every PostgreSQL read model (replica and document projections) from the source
+    /// tables and compare: exit 0 when equal, 1 with a report of missing, extra and differing
+    /// documents otherwise.
+    Verify {
+        /// The pipeline file.
+        pipeline: PathBuf,
+    },
     /// Print the JSON Schema of pipeline files (committed as schemas/pipeline.schema.json).
     ConfigSchema,
 }
@@ -144,6 +151,26 @@ fn main() -> ExitCode {
                         );
                     }
                     ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }),
+        Command::Verify { pipeline } => with_pipeline(&pipeline, |loaded, rt| {
+            match rt.block_on(refract::verify::run(&loaded)) {
+                Ok(report) => {
+                    print!("{}", report.render());
+                    if report.equal() {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::FAILURE
+                    }
+                }
+                Err(refract::verify::VerifyError::Unsupported(why)) => {
+                    eprintln!("error: {why}");
+                    ExitCode::from(2)
                 }
                 Err(e) => {
                     eprintln!("error: {e}");

@@ -181,6 +181,30 @@ pub fn render(loaded: &LoadedPipeline, check: &SourceCheck) -> String {
                     );
                 }
             }
+            ProjectionConfig::Document(d) => {
+                let mut parts = vec![format!("{} fields", d.fields.len())];
+                for e in &d.embeds {
+                    let via = match (&e.through, &e.foreign_key) {
+                        (Some(link), _) => format!("through {}", link.table),
+                        (None, Some(fk)) => format!("by {fk}"),
+                        (None, None) => String::new(),
+                    };
+                    let limit = e.limit.map_or(String::new(), |l| format!(", first {l}"));
+                    parts.push(format!("`{}`: {} {via}{limit}", e.name, e.table));
+                }
+                for o in &d.objects {
+                    parts.push(format!("`{}`: {} objects", o.name, o.items.len()));
+                }
+                let _ = writeln!(
+                    out,
+                    "projects `{name}` (document): {} -> one document per row (key {}; {}), rebuilt when any row of it changes, into collection `{}` -> sinks {}",
+                    d.table,
+                    d.key.join(", "),
+                    parts.join("; "),
+                    d.collection.as_deref().unwrap_or(name),
+                    d.sinks.join(", ")
+                );
+            }
             ProjectionConfig::Flatten(f) => {
                 for t in &f.outputs {
                     let from = t

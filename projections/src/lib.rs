@@ -5,8 +5,10 @@
 //! clock: everything a projection does can be replayed and tested from a file of events.
 
 pub mod cache_invalidation;
+pub mod document;
 pub mod flatten;
 pub mod replica;
+pub mod state;
 
 use std::sync::Arc;
 
@@ -76,6 +78,16 @@ pub enum ProjectionError {
     /// Any other reason the event cannot be projected.
     #[error("{0}")]
     Invalid(String),
+    /// The projection's state store failed (disk, corruption): the runtime stops the pipeline
+    /// instead of dead-lettering the event, which is not at fault.
+    #[error("projection state: {0}")]
+    State(String),
+}
+
+impl From<state::StateError> for ProjectionError {
+    fn from(e: state::StateError) -> Self {
+        ProjectionError::State(e.0)
+    }
 }
 
 /// A pure transformation from change events to write operations.
@@ -122,6 +134,29 @@ pub trait Projection: Send {
     fn restore_state(&mut self, _state: &[u8]) -> Result<(), String> {
         Ok(())
     }
+
+    /// Whether the projection keeps keyed state in a store the runtime hands it
+    /// ([`Projection::attach_store`]).
+    fn wants_store(&self) -> bool {
+        false
+    }
+
+    /// Hands the projection its store before the first event (only when
+    /// [`Projection::wants_store`]). The store is the projection's alone; the runtime rolls it
+    /// back to the last checkpoint after a crash, so it is never ahead of the read models.
+    fn attach_store(&mut self, _store: Box<dyn state::StateStore>) {}
+
+    /// The end of a source transaction: effects buffered while projecting its events (documents
+    /// it touched) are appended now, once per transaction, with `position` (the transaction's
+    /// end). The runtime calls it after each transaction END marker, and after each event that
+    /// belongs to no marked transaction.
+    fn end_transaction(
+        &mut self,
+        _position: &Position,
+        _out: &mut Vec<WriteOp>,
+    ) -> Result<(), ProjectionError> {
+        Ok(())
+    }
 }
 
 /// The one place that turns projection configuration into projections: every kind is in this
@@ -134,6 +169,7 @@ pub fn build(config: &refract_schemas::config::ProjectionConfig) -> Box<dyn Proj
             Box::new(cache_invalidation::CacheInvalidationProjection::new(c))
         }
         ProjectionConfig::Flatten(c) => Box::new(flatten::FlattenProjection::new(c)),
+        ProjectionConfig::Document(c) => Box::new(document::DocumentProjection::new(c)),
     }
 }
 

@@ -75,24 +75,35 @@ impl ReplicaProjection {
 
     /// The document key of `row`: the record key if any, else the key columns.
     fn key(rule: &TableRule, event: &ChangeEvent, row: &Row) -> Result<String, ProjectionError> {
-        if let Some(key) = event.key.as_deref().filter(|k| !k.is_empty()) {
-            return Ok(render_key(key.values()));
-        }
-        let columns = &rule.key_columns;
-        let mut values = Vec::with_capacity(columns.len());
-        for column in columns {
-            match row.get(column.as_str()) {
-                Some(v) if !v.is_null() => values.push(v),
-                _ => {
-                    return Err(ProjectionError::MissingKey {
-                        table: event.table.to_string(),
-                        column: column.clone(),
-                    });
-                }
+        Ok(render_key(
+            key_values(event, row, &rule.key_columns)?.into_iter(),
+        ))
+    }
+}
+
+/// The values that identify the row of `event`: the record key's (in its own order) when the
+/// source provides one (a Kafka key), else the `columns` of `row`, which must all be non-null.
+pub(crate) fn key_values<'a>(
+    event: &'a ChangeEvent,
+    row: &'a Row,
+    columns: &[String],
+) -> Result<Vec<&'a Value>, ProjectionError> {
+    if let Some(key) = event.key.as_deref().filter(|k| !k.is_empty()) {
+        return Ok(key.values().collect());
+    }
+    let mut values = Vec::with_capacity(columns.len());
+    for column in columns {
+        match row.get(column.as_str()) {
+            Some(v) if !v.is_null() => values.push(v),
+            _ => {
+                return Err(ProjectionError::MissingKey {
+                    table: event.table.to_string(),
+                    column: column.clone(),
+                });
             }
         }
-        Ok(render_key(values.into_iter()))
     }
+    Ok(values)
 }
 
 /// Renders key values as one string: each value as text (strings unquoted), joined by `,`, with

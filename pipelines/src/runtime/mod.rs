@@ -19,6 +19,7 @@
 //! stops the source, drains, flushes, checkpoints and returns normally.
 
 mod delivery;
+pub mod keyed_state;
 mod status;
 mod summary;
 
@@ -31,7 +32,7 @@ use refract_connectors::dead_letter::{DeadLetter, DeadLetterStore, Stage};
 use refract_connectors::{
     BackfillScope, ReadMode, SinkBatch, SinkError, SourceContext, SourceError, SourceItem, registry,
 };
-use refract_projections::{Projection, WriteOp};
+use refract_projections::{Projection, ProjectionError, WriteOp};
 use refract_schemas::config::{LoadedPipeline, OnError, PipelineFile, SinkConfig, mask_url};
 use refract_schemas::event::TxStatus;
 use refract_schemas::{Checkpoint, Offset, Position, Record};
@@ -39,6 +40,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::checkpoint::{CheckpointError, CheckpointStore};
 use delivery::{Ack, Job, Target};
+use keyed_state::KeyedState;
 pub use summary::RunSummary;
 
 /// How far past the batch limits a batch may grow to avoid splitting a source transaction.
@@ -88,6 +90,11 @@ pub enum RunError {
         /// Why.
         reason: String,
     },
+    /// The projections' keyed state store failed.
+    #[error(
+        "projection state: {0}; the pipeline stops (its state on disk stays consistent with the checkpoint)"
+    )]
+    KeyedState(#[from] refract_projections::state::StateError),
     /// The state directory could not be prepared.
     #[error("state directory {path}: {source}")]
     State {
@@ -246,6 +253,24 @@ pub async fn run(
                 })?;
         }
     }
+    // Keyed state (a document projection's rows and indexes), rolled back to the checkpoint.
+    let keyed = if routes.iter().any(|r| r.projection.wants_store()) {
+        let path = state.join("state.redb");
+        let (keyed, recovery) = KeyedState::open(&path, &resumed)?;
+        if recovery.batches_undone > 0 {
+            tracing::info!(
+                batches = recovery.batches_undone,
+                keys = recovery.keys_restored,
+                "projection state rolled back to the checkpoint"
+            );
+        }
+        for route in routes.iter_mut().filter(|r| r.projection.wants_store()) {
+            route.projection.attach_store(keyed.handle(&route.name));
+        }
+        Some(keyed)
+    } else {
+        None
+    };
 
     // Delivery tasks give up retrying when asked to stop, or when the run fails elsewhere.
     let stop_tasks = Arc::new(watch::channel(false).0);
@@ -313,6 +338,7 @@ pub async fn run(
         backfill: options.backfill.clone(),
     };
     let mut source = registry::build_source(&config.source, context);
+    let durable = durable_rx.clone();
     source.start(&resumed, options.mode, durable_rx).await?;
 
     let mut processor = Processor {
@@ -331,6 +357,9 @@ pub async fn run(
         committed: resumed.clone(),
         cp_tx,
         in_transaction: false,
+        keyed,
+        durable,
+        last_position: None,
         scratch: Vec::new(),
         summary: RunSummary::new(sink_names, dead_letter_location, resumed),
         draw_bar: options.progress_bar,
@@ -462,6 +491,13 @@ struct Processor {
     committed: Checkpoint,
     cp_tx: watch::Sender<Checkpoint>,
     in_transaction: bool,
+    /// The projections' keyed state, made durable with each batch.
+    keyed: Option<KeyedState>,
+    /// The durable checkpoint (undo records of the keyed state before it are dropped).
+    durable: watch::Receiver<Checkpoint>,
+    /// The position of the last change outside a marked transaction, whose effects are due at
+    /// the batch's end.
+    last_position: Option<Position>,
     scratch: Vec<WriteOp>,
     summary: RunSummary,
     /// Whether to draw a progress bar.
@@ -567,7 +603,11 @@ impl Processor {
                         let now = crate::runtime::now_ms();
                         for item in items {
                             if let Err(e) = self.process(item, now) {
-                                self.dispatch().await?;
+                                // What came before bad input is written; after a state
+                                // failure nothing more is (the batch is replayed).
+                                if !matches!(e, RunError::ProjectionState { .. } | RunError::KeyedState(_)) {
+                                    self.dispatch().await?;
+                                }
                                 self.drain().await?;
                                 return Err(e);
                             }
@@ -642,6 +682,9 @@ impl Processor {
             Ok(Record::Transaction(t)) => {
                 self.summary.transactions += u64::from(t.status == TxStatus::End);
                 self.in_transaction = t.status == TxStatus::Begin;
+                if t.status == TxStatus::End {
+                    self.end_transaction(&t.position)?;
+                }
                 t.position
             }
             Ok(Record::Change(event)) => {
@@ -657,12 +700,12 @@ impl Processor {
                     // Operations appended before an error are applied too: the projection
                     // did what it could, and the event goes to the dead letters for the rest.
                     let result = route.projection.project(&event, now, &mut self.scratch);
-                    for (i, &sink) in route.sinks.iter().enumerate() {
-                        if i + 1 == route.sinks.len() {
-                            self.batch.ops[sink].append(&mut self.scratch);
-                        } else {
-                            self.batch.ops[sink].extend(self.scratch.iter().cloned());
-                        }
+                    route_ops(&mut self.batch.ops, &route.sinks, &mut self.scratch);
+                    if let Err(ProjectionError::State(reason)) = &result {
+                        return Err(RunError::ProjectionState {
+                            projection: route.name.clone(),
+                            reason: reason.clone(),
+                        });
                     }
                     if let Err(e) = result {
                         rejection = Some((
@@ -676,6 +719,9 @@ impl Processor {
                         Stage::Routing,
                         format!("no projection reads table `{}`", event.table),
                     ));
+                }
+                if self.keyed.is_some() && !self.in_transaction {
+                    self.last_position = Some(event.position.clone());
                 }
                 if let Some((stage, reason)) = rejection {
                     let table = Some(event.table.to_string());
@@ -695,6 +741,26 @@ impl Processor {
             None => {
                 self.batch.end.insert(position.partition, position.offset);
             }
+        }
+        Ok(())
+    }
+
+    /// The end of a source transaction at `position`: projections emit what they buffered
+    /// (documents the transaction touched).
+    fn end_transaction(&mut self, position: &Position) -> Result<(), RunError> {
+        if self.keyed.is_none() {
+            return Ok(());
+        }
+        for route in &mut self.routes {
+            self.scratch.clear();
+            let result = route
+                .projection
+                .end_transaction(position, &mut self.scratch);
+            route_ops(&mut self.batch.ops, &route.sinks, &mut self.scratch);
+            result.map_err(|e| RunError::ProjectionState {
+                projection: route.name.clone(),
+                reason: e.to_string(),
+            })?;
         }
         Ok(())
     }
@@ -722,6 +788,13 @@ impl Processor {
 
     /// Sends the current batch to its targets.
     async fn dispatch(&mut self) -> Result<(), RunError> {
+        // Changes outside marked transactions (a snapshot, a Kafka topic without transaction
+        // metadata) take effect at the batch's end, together.
+        if !self.in_transaction {
+            if let Some(position) = self.last_position.take() {
+                self.end_transaction(&position)?;
+            }
+        }
         if self.batch.is_empty() {
             self.batch.started = None;
             return Ok(());
@@ -748,6 +821,15 @@ impl Processor {
                     .await
                     .expect("state save task")?;
             }
+        }
+        // So is the keyed state, with the undo records that roll it back to the checkpoint.
+        if let Some(keyed) = &self.keyed {
+            let keyed = keyed.clone();
+            let end = batch.end.iter().map(|(p, o)| (p.to_string(), *o)).collect();
+            let durable = self.durable.borrow().clone();
+            tokio::task::spawn_blocking(move || keyed.commit(end, &durable))
+                .await
+                .expect("state commit task")?;
         }
         self.next_seq += 1;
         let seq = self.next_seq;
@@ -856,6 +938,17 @@ impl Processor {
             message: "a sink task ended unexpectedly".into(),
             source: None,
         })
+    }
+}
+
+/// Moves a projection's operations into the batch of each sink it writes to.
+fn route_ops(batch: &mut [Vec<WriteOp>], sinks: &[usize], ops: &mut Vec<WriteOp>) {
+    for (i, &sink) in sinks.iter().enumerate() {
+        if i + 1 == sinks.len() {
+            batch[sink].append(ops);
+        } else {
+            batch[sink].extend(ops.iter().cloned());
+        }
     }
 }
 

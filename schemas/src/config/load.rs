@@ -12,8 +12,8 @@ use toml::de::{DeTable, DeValue};
 
 use super::interpolate::interpolate;
 use super::{
-    FileSourceConfig, NullSinkConfig, ObjectJsonSinkConfig, PipelineFile, PostgresSourceConfig,
-    ReplicaProjectionConfig,
+    DocumentProjectionConfig, FileSourceConfig, NullSinkConfig, ObjectJsonSinkConfig, PipelineFile,
+    PostgresSourceConfig, ProjectionConfig, ReplicaProjectionConfig,
 };
 
 /// Variable names whose values are secrets: masked by `plan` and never logged.
@@ -155,7 +155,7 @@ pub fn load_str(
     }
 
     let snapshot = root.get_ref().clone();
-    let config: PipelineFile =
+    let mut config: PipelineFile =
         match serde_path_to_error::deserialize(toml::de::Deserializer::from(root)) {
             Ok(c) => c,
             Err(e) => {
@@ -165,6 +165,7 @@ pub fn load_str(
                 return Err(ConfigErrors(vec![at(span, path, message)]));
             }
         };
+    fill_defaults(&mut config);
     let problems = config.validate();
     if !problems.is_empty() {
         let errors = problems
@@ -182,6 +183,15 @@ pub fn load_str(
         secret_paths,
         from_env,
     })
+}
+
+/// Defaults that depend on where a value sits: a document projection's collection is its name.
+fn fill_defaults(config: &mut PipelineFile) {
+    for (name, projection) in &mut config.projections {
+        if let ProjectionConfig::Document(d) = projection {
+            d.collection.get_or_insert_with(|| name.clone());
+        }
+    }
 }
 
 type Report<'a> = dyn FnMut(&str, Result<Vec<String>, (Range<usize>, String)>) + 'a;
@@ -311,6 +321,7 @@ fn explain_variant(
         ("source", "file") => first_error::<FileSourceConfig>(de),
         ("source", "postgres") => first_error::<PostgresSourceConfig>(de),
         ("projections", "replica") => first_error::<ReplicaProjectionConfig>(de),
+        ("projections", "document") => first_error::<DocumentProjectionConfig>(de),
         ("sinks", "object_json") => first_error::<ObjectJsonSinkConfig>(de),
         ("sinks", "null") => first_error::<NullSinkConfig>(de),
         _ => None,

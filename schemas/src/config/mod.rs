@@ -258,6 +258,10 @@ pub enum ProjectionConfig {
     /// Rows of one table (relational columns and nested JSON) reshaped into flat analytical
     /// tables: paths to columns, arrays exploded into child tables.
     Flatten(FlattenProjectionConfig),
+    /// Denormalized documents: one per row of a root table, with copied columns and arrays of
+    /// embedded rows of other tables (one-to-many or through a link table), kept current as any
+    /// of those tables changes.
+    Document(DocumentProjectionConfig),
 }
 
 impl PostgresSourceConfig {
@@ -297,6 +301,7 @@ impl ProjectionConfig {
             ProjectionConfig::Replica(c) => &c.sinks,
             ProjectionConfig::CacheInvalidation(c) => &c.sinks,
             ProjectionConfig::Flatten(c) => &c.sinks,
+            ProjectionConfig::Document(c) => &c.sinks,
         }
     }
 }
@@ -499,6 +504,134 @@ pub enum UnmappedMode {
     Flatten,
     /// One JSON text column holding them all.
     Json,
+}
+
+/// `kind = "document"`: one document per row of `table`, rebuilt whenever a row it is made of
+/// changes (the root row, an embedded row, a link row).
+///
+/// ```toml
+/// [projections.book_docs]
+/// kind = "document"
+/// table = "public.books"
+/// fields = [{ name = "id", from = "id" }, { name = "name", from = "name" }]
+///
+/// [[projections.book_docs.embeds]]
+/// name = "authors"
+/// table = "public.authors"
+/// through = { table = "public.book_authors", parent = "book_id", child = "author_id" }
+/// order_by = ["through.position", "id"]
+/// fields = [{ name = "name", from = "{first_name} {last_name}" }]
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DocumentProjectionConfig {
+    /// The root table (`table` or `schema.table`): one document per row.
+    pub table: String,
+    /// The root table's primary key columns. The document's key is their values as text (a
+    /// string as it is, a number or boolean as its JSON text), joined with `:` when there are
+    /// several (`%` and `:` inside a value written `%25` and `%3A`). An embed needs a single
+    /// column.
+    #[serde(default = "default_key")]
+    pub key: Vec<String>,
+    /// The collection the documents go to; default: the projection's name.
+    #[serde(default)]
+    pub collection: Option<String>,
+    /// Sinks the documents are written to.
+    pub sinks: Vec<String>,
+    /// Fields copied from the root row, in order.
+    #[serde(default)]
+    pub fields: Vec<DocumentFieldConfig>,
+    /// Arrays of rows of other tables that belong to the root row.
+    #[serde(default)]
+    pub embeds: Vec<DocumentEmbedConfig>,
+    /// Arrays of one-field objects made from the root row's non-null columns.
+    #[serde(default)]
+    pub objects: Vec<DocumentObjectsConfig>,
+}
+
+/// One field of a document (or of an embedded object).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DocumentFieldConfig {
+    /// The field's name in the document.
+    pub name: String,
+    /// A column (its value as it is, JSON type kept, null when null or absent), or a template
+    /// with `{column}` placeholders rendered as text (`"{first_name} {last_name}"`; null when a
+    /// column outside a `[...]` optional segment is null). In an embed with `through`,
+    /// `through.column` reads the link row.
+    pub from: String,
+}
+
+/// An array of rows of another table embedded in each document.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DocumentEmbedConfig {
+    /// The document field holding the array.
+    pub name: String,
+    /// The embedded (child) table.
+    pub table: String,
+    /// The child table's primary key columns (a single column with `through`).
+    #[serde(default = "default_key")]
+    pub key: Vec<String>,
+    /// Many-to-many: the link table whose rows pair a root row with a child row. Exactly one of
+    /// `through` and `foreign_key`.
+    #[serde(default)]
+    pub through: Option<DocumentLinkConfig>,
+    /// One-to-many: the child column holding the root row's key.
+    #[serde(default)]
+    pub foreign_key: Option<String>,
+    /// Sort order of the array: child columns, `through.column` for a column of the link row,
+    /// `-` in front for descending (nulls sort last ascending, first descending). Ties, and an
+    /// empty list, sort by the child key ascending.
+    #[serde(default)]
+    pub order_by: Vec<String>,
+    /// Most elements kept (the first ones in `order_by` order); unset: all.
+    #[serde(default)]
+    pub limit: Option<usize>,
+    /// The array holds the children's keys as text instead of objects.
+    #[serde(default)]
+    pub ids: bool,
+    /// Fields of each embedded object (not with `ids = true`).
+    #[serde(default)]
+    pub fields: Vec<DocumentFieldConfig>,
+    /// A document field holding the number of embedded children (before `limit`).
+    #[serde(default)]
+    pub count: Option<String>,
+}
+
+/// The link table of a many-to-many embed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DocumentLinkConfig {
+    /// The link table (`table` or `schema.table`).
+    pub table: String,
+    /// The link column holding the root row's key.
+    pub parent: String,
+    /// The link column holding the child row's key.
+    pub child: String,
+    /// The link table's primary key columns; default `[parent, child]`.
+    #[serde(default)]
+    pub key: Option<Vec<String>>,
+}
+
+impl DocumentLinkConfig {
+    /// The link table's key columns: `key`, or `[parent, child]`.
+    pub fn key_columns(&self) -> Vec<String> {
+        self.key
+            .clone()
+            .unwrap_or_else(|| vec![self.parent.clone(), self.child.clone()])
+    }
+}
+
+/// An array of one-field objects built from columns of the root row: each item whose value is
+/// not null becomes `{"name": value}`, in the declared order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DocumentObjectsConfig {
+    /// The document field holding the array.
+    pub name: String,
+    /// The candidate objects, in order.
+    pub items: Vec<DocumentFieldConfig>,
 }
 
 /// A sink: where write operations are applied.

@@ -10,6 +10,8 @@ use super::{
 use crate::field_path::{FieldPath, Step};
 use crate::template::KeyTemplate;
 
+mod document;
+
 /// Object-store URL schemes refract can write to.
 const OBJECT_STORE_SCHEMES: &[&str] = &[
     "file", "memory", "s3", "s3a", "gs", "az", "adl", "azure", "abfs", "abfss", "http", "https",
@@ -192,6 +194,7 @@ impl PipelineFile {
                         );
                     }
                 }
+                ProjectionConfig::Document(d) => document::validate(&mut problem, &base, d),
                 ProjectionConfig::Flatten(f) => {
                     flatten(&mut problem, &base, f);
                     for (i, sink) in f.sinks.iter().enumerate() {
@@ -417,7 +420,12 @@ impl PipelineFile {
                         100_000,
                     );
                     for (projection, p) in &self.projections {
-                        if p.sinks().contains(name) && !matches!(p, ProjectionConfig::Replica(_)) {
+                        if p.sinks().contains(name)
+                            && !matches!(
+                                p,
+                                ProjectionConfig::Replica(_) | ProjectionConfig::Document(_)
+                            )
+                        {
                             problem(
                                 &base,
                                 format!(

@@ -1,11 +1,13 @@
 //! `kind = "postgres"`: PostgreSQL logical replication. [`pgoutput`] decodes the wire messages,
 //! [`values`] maps text values to JSON, [`source`] runs the slot, [`inspect`] reads (and drops)
-//! the slot and publication for `refract plan` and `refract drop`.
+//! the slot and publication for `refract plan` and `refract drop`; [`tables`] reads whole tables
+//! for `refract verify`.
 
 pub mod inspect;
 pub mod pgoutput;
 pub mod snapshot;
 pub mod source;
+pub mod tables;
 pub mod values;
 
 pub use inspect::{

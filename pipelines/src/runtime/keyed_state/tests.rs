@@ -1,0 +1,140 @@
+use redb::ReadableTableMetadata;
+
+use super::*;
+
+fn cp(offset: u64) -> Checkpoint {
+    Checkpoint::from([("p".to_string(), Offset(offset, 0))])
+}
+
+fn end(offset: u64) -> Vec<(String, Offset)> {
+    vec![("p".to_string(), Offset(offset, 0))]
+}
+
+fn all(store: &mut Box<dyn StateStore>) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    store
+        .scan_prefix(b"", &mut |k, v| {
+            out.push((
+                String::from_utf8(k.to_vec()).unwrap(),
+                String::from_utf8(v.to_vec()).unwrap(),
+            ));
+            true
+        })
+        .unwrap();
+    out
+}
+
+fn pairs(items: &[(&str, &str)]) -> Vec<(String, String)> {
+    items
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+#[test]
+fn a_restart_undoes_every_batch_past_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.redb");
+    {
+        let (state, recovery) = KeyedState::open(&path, &Checkpoint::new()).unwrap();
+        assert_eq!(recovery, Recovery::default());
+        let mut s = state.handle("doc");
+        s.put(b"a", b"1").unwrap();
+        s.put(b"b", b"1").unwrap();
+        state.commit(end(1), &Checkpoint::new()).unwrap();
+        // Batch 2: a changed, b removed, c added; batch 3: a changed again.
+        s.put(b"a", b"2").unwrap();
+        s.remove(b"b").unwrap();
+        s.put(b"c", b"2").unwrap();
+        state.commit(end(2), &cp(1)).unwrap();
+        s.put(b"a", b"3").unwrap();
+        state.commit(end(3), &cp(1)).unwrap();
+        assert_eq!(all(&mut s), pairs(&[("a", "3"), ("c", "2")]));
+        // Written but never committed: lost with the process.
+        s.put(b"z", b"9").unwrap();
+    }
+    // The checkpoint says batch 1 is the last one the sinks made durable.
+    let (state, recovery) = KeyedState::open(&path, &cp(1)).unwrap();
+    assert_eq!(
+        recovery,
+        Recovery {
+            batches_undone: 2,
+            keys_restored: 4
+        }
+    );
+    let mut s = state.handle("doc");
+    assert_eq!(all(&mut s), pairs(&[("a", "1"), ("b", "1")]));
+    // The undo records are gone with the recovery: state and checkpoint agree from here on.
+    drop((s, state));
+    let (state, recovery) = KeyedState::open(&path, &Checkpoint::new()).unwrap();
+    assert_eq!(recovery, Recovery::default());
+    assert_eq!(
+        all(&mut state.handle("doc")),
+        pairs(&[("a", "1"), ("b", "1")])
+    );
+}
+
+#[test]
+fn covered_batches_are_kept_and_their_undo_records_pruned() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.redb");
+    {
+        let (state, _) = KeyedState::open(&path, &Checkpoint::new()).unwrap();
+        let mut s = state.handle("doc");
+        s.put(b"a", b"1").unwrap();
+        state.commit(end(1), &Checkpoint::new()).unwrap();
+        s.put(b"a", b"2").unwrap();
+        // Batch 1 is durable now: its undo record goes in this commit.
+        state.commit(end(2), &cp(1)).unwrap();
+        let inner = state.lock();
+        assert_eq!(inner.undoable.len(), 1);
+        let txn = inner.db.begin_read().unwrap();
+        assert_eq!(txn.open_table(UNDO).unwrap().len().unwrap(), 1);
+        assert_eq!(txn.open_table(BATCHES).unwrap().len().unwrap(), 1);
+    }
+    let (state, recovery) = KeyedState::open(&path, &cp(2)).unwrap();
+    assert_eq!(recovery.batches_undone, 0);
+    assert_eq!(
+        state.handle("doc").get(b"a").unwrap().as_deref(),
+        Some(&b"2"[..])
+    );
+}
+
+#[test]
+fn scans_merge_pending_writes_over_committed_ones_per_projection() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, _) = KeyedState::open(&dir.path().join("s.redb"), &Checkpoint::new()).unwrap();
+    let mut a = state.handle("a");
+    let mut b = state.handle("b");
+    for k in ["k1", "k2", "k4", "x"] {
+        a.put(k.as_bytes(), b"old").unwrap();
+    }
+    b.put(b"k3", b"other projection").unwrap();
+    state.commit(end(1), &Checkpoint::new()).unwrap();
+    a.put(b"k2", b"new").unwrap();
+    a.remove(b"k4").unwrap();
+    a.put(b"k3", b"added").unwrap();
+    a.put(b"k5", b"added").unwrap();
+    let mut seen = Vec::new();
+    a.scan_prefix(b"k", &mut |k, v| {
+        seen.push(format!(
+            "{}={}",
+            String::from_utf8_lossy(k),
+            String::from_utf8_lossy(v)
+        ));
+        true
+    })
+    .unwrap();
+    assert_eq!(seen, ["k1=old", "k2=new", "k3=added", "k5=added"]);
+    // Stopping early stops.
+    let mut count = 0;
+    a.scan_prefix(b"k", &mut |_, _| {
+        count += 1;
+        count < 2
+    })
+    .unwrap();
+    assert_eq!(count, 2);
+    assert_eq!(a.get(b"k4").unwrap(), None);
+    assert_eq!(b.get(b"k2").unwrap(), None);
+    assert_eq!(all(&mut b), pairs(&[("k3", "other projection")]));
+}

@@ -1,0 +1,140 @@
+//! Assembling one document from the mirror.
+
+use std::cmp::Ordering;
+
+use refract_schemas::Row;
+use serde_json::{Map, Value};
+
+use super::mirror::{Id, indexed, load};
+use super::shape::{Embed, Shape, THROUGH, Via, compare, document_key, text};
+use crate::state::{StateError, StateStore};
+
+/// Children kept before sorting and cutting to `limit`, beyond `limit` itself: bounds the
+/// memory a root with many children takes when only the first few are listed.
+const LIMIT_SLACK: usize = 256;
+
+/// The document of root `id`; none when the root row does not exist.
+pub(super) fn document(
+    store: &mut dyn StateStore,
+    shape: &Shape,
+    id: &[String],
+) -> Result<Option<Row>, StateError> {
+    let Some(row) = load(store, shape.root, id)? else {
+        return Ok(None);
+    };
+    let mut doc = Map::new();
+    for f in &shape.fields {
+        doc.insert(f.name.clone(), f.source.value(&row));
+    }
+    for e in &shape.embeds {
+        // Embeds join on a one-column root key: the id's one part.
+        let (items, count) = children(store, e, &id[0])?;
+        doc.insert(e.name.clone(), Value::Array(items));
+        if let Some(name) = &e.count {
+            doc.insert(name.clone(), Value::from(count));
+        }
+    }
+    for (name, items) in &shape.objects {
+        let objects = items
+            .iter()
+            .filter_map(|f| {
+                let v = f.source.value(&row);
+                (!v.is_null()).then(|| Value::Object(Map::from_iter([(f.name.clone(), v)])))
+            })
+            .collect();
+        doc.insert(name.clone(), Value::Array(objects));
+    }
+    Ok(Some(doc))
+}
+
+/// The listed children of the root whose key is `root` (after `limit`), and how many there
+/// are (before it). Only children whose row exists (and, through a link table, whose link row
+/// exists) are listed.
+fn children(
+    store: &mut dyn StateStore,
+    e: &Embed,
+    root: &str,
+) -> Result<(Vec<Value>, usize), StateError> {
+    let mut found: Vec<(Id, Row)> = Vec::new();
+    let mut count = 0;
+    let mut keep = |found: &mut Vec<(Id, Row)>, id: Id, row: Row| {
+        count += 1;
+        found.push((id, row));
+        if let Some(limit) = e.limit {
+            if found.len() >= limit + LIMIT_SLACK {
+                found.sort_by(|a, b| order(e, a, b));
+                found.truncate(limit);
+            }
+        }
+    };
+    match &e.via {
+        Via::ForeignKey { index, .. } => {
+            for id in indexed(store, e.child, *index, root)? {
+                if let Some(row) = load(store, e.child, &id)? {
+                    keep(&mut found, id, row);
+                }
+            }
+        }
+        Via::Link {
+            table,
+            child,
+            by_parent,
+            ..
+        } => {
+            for link_id in indexed(store, *table, *by_parent, root)? {
+                let Some(link) = load(store, *table, &link_id)? else {
+                    continue;
+                };
+                let Some(child_key) = link.get(child).filter(|v| !v.is_null()) else {
+                    continue;
+                };
+                let id = vec![text(child_key)];
+                let Some(mut row) = load(store, e.child, &id)? else {
+                    continue;
+                };
+                for c in &e.link_columns {
+                    let v = link.get(c).cloned().unwrap_or(Value::Null);
+                    row.insert(format!("{THROUGH}{c}"), v);
+                }
+                keep(&mut found, id, row);
+            }
+        }
+    }
+    found.sort_by(|a, b| order(e, a, b));
+    if let Some(limit) = e.limit {
+        found.truncate(limit);
+    }
+    let items = found
+        .into_iter()
+        .map(|(id, row)| {
+            if e.ids {
+                Value::String(document_key(&id))
+            } else {
+                let mut object = Map::new();
+                for f in &e.fields {
+                    object.insert(f.name.clone(), f.source.value(&row));
+                }
+                Value::Object(object)
+            }
+        })
+        .collect();
+    Ok((items, count))
+}
+
+/// `order_by`, then the child key ascending, then the id's text.
+fn order(e: &Embed, (a_id, a): &(Id, Row), (b_id, b): &(Id, Row)) -> Ordering {
+    for (column, descending) in &e.order {
+        let o = compare(a.get(column), b.get(column));
+        let o = if *descending { o.reverse() } else { o };
+        if o != Ordering::Equal {
+            return o;
+        }
+    }
+    for column in &e.child_key {
+        let o = compare(a.get(column), b.get(column));
+        if o != Ordering::Equal {
+            return o;
+        }
+    }
+    a_id.cmp(b_id)
+}

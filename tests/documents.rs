@@ -1,0 +1,282 @@
+//! Denormalized documents with fan-out (`pipelines/authors-books.toml`) against the real
+//! PostgreSQL: a random workload over authors, books and their links (renames, link churn,
+//! cascading deletes, rolled-back transactions) while the daemon streams, then `refract verify`
+//! recomputes every document from the tables and must find them equal; a document tampered with
+//! by hand must be named. The same under 20 SIGKILLs.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::pg::{Cleanup, psql, url};
+use common::*;
+
+/// The shipped pipeline, on the tables of schema `schema` and with read models in
+/// `{schema}_rm`, under its own pipeline (slot) name.
+fn pipeline_file(dir: &Path, schema: &str) -> PathBuf {
+    let shipped = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../pipelines/authors-books.toml"),
+    )
+    .unwrap();
+    let text = shipped
+        .replace("name = \"authors-books\"", &format!("name = \"{schema}\""))
+        .replace("public.", &format!("{schema}."))
+        .replace(
+            "schema = \"read_models\"",
+            &format!("schema = \"{schema}_rm\""),
+        )
+        .replace(
+            "on_error = \"dead_letter\"",
+            "on_error = \"dead_letter\"\n[pipeline.batch]\nmax_delay_ms = 50",
+        );
+    assert!(text.contains(&format!("{schema}.book_authors")));
+    let path = dir.join("authors-books.toml");
+    std::fs::write(
+        &path,
+        text.replace(
+            "${STATE_DIR:-./state}",
+            &dir.join("state").display().to_string(),
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// The showcase tables (`../shared/showcase/authors_books.sql`) in a fresh schema.
+fn fresh_schema(schema: &str) {
+    psql(&format!(
+        "SET client_min_messages = warning;
+         DROP SCHEMA IF EXISTS {schema} CASCADE; DROP SCHEMA IF EXISTS {schema}_rm CASCADE;
+         CREATE SCHEMA {schema};
+         CREATE TABLE {schema}.authors (id text PRIMARY KEY, first_name text NOT NULL, last_name text NOT NULL,
+             thumbnail_url text, profile_url text, large_url text, updated_at timestamptz NOT NULL DEFAULT now());
+         CREATE TABLE {schema}.books (id text PRIMARY KEY, name text NOT NULL, published_on date,
+             updated_at timestamptz NOT NULL DEFAULT now());
+         CREATE TABLE {schema}.book_authors (
+             book_id text NOT NULL REFERENCES {schema}.books(id) ON DELETE CASCADE,
+             author_id text NOT NULL REFERENCES {schema}.authors(id) ON DELETE CASCADE,
+             position int NOT NULL DEFAULT 0, PRIMARY KEY (book_id, author_id));"
+    ));
+}
+
+/// A small deterministic generator (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+const AUTHORS: u64 = 300;
+const BOOKS: u64 = 2_000;
+const NAMES: [&str; 8] = [
+    "Thomas", "Ana", "Wei", "Olu", "Maya", "Jonas", "Priya", "Lena",
+];
+
+/// One random statement over the three tables.
+fn operation(rng: &mut Rng, schema: &str) -> String {
+    let a = rng.below(AUTHORS);
+    let b = rng.below(BOOKS);
+    let name = NAMES[rng.below(8) as usize];
+    let url = |rng: &mut Rng, kind: &str| {
+        if rng.below(3) == 0 {
+            "NULL".to_owned()
+        } else {
+            format!("'https://img/{kind}/{}'", rng.below(1000))
+        }
+    };
+    match rng.below(100) {
+        0..=11 => format!(
+            "INSERT INTO {schema}.authors (id, first_name, last_name, thumbnail_url, profile_url, large_url) \
+             VALUES ('a{a}', '{name}', 'L{a}', {}, {}, {}) ON CONFLICT DO NOTHING",
+            url(rng, "t"),
+            url(rng, "p"),
+            url(rng, "l")
+        ),
+        12..=26 => format!(
+            "UPDATE {schema}.authors SET first_name = '{name}', last_name = 'R{}' WHERE id = 'a{a}'",
+            rng.below(1000)
+        ),
+        27..=31 => format!(
+            "UPDATE {schema}.authors SET thumbnail_url = {}, large_url = {} WHERE id = 'a{a}'",
+            url(rng, "t"),
+            url(rng, "l")
+        ),
+        32..=34 => format!("DELETE FROM {schema}.authors WHERE id = 'a{a}'"),
+        35..=46 => format!(
+            "INSERT INTO {schema}.books (id, name) VALUES ('b{b}', 'Book {b}') ON CONFLICT DO NOTHING"
+        ),
+        47..=51 => format!(
+            "UPDATE {schema}.books SET name = 'Book {b} ed. {}' WHERE id = 'b{b}'",
+            rng.below(9)
+        ),
+        52..=54 => format!("DELETE FROM {schema}.books WHERE id = 'b{b}'"),
+        55..=79 => format!(
+            "INSERT INTO {schema}.book_authors (book_id, author_id, position) \
+             SELECT 'b{b}', 'a{a}', {} WHERE EXISTS (SELECT 1 FROM {schema}.books WHERE id = 'b{b}') \
+             AND EXISTS (SELECT 1 FROM {schema}.authors WHERE id = 'a{a}') ON CONFLICT DO NOTHING",
+            rng.below(4)
+        ),
+        80..=88 => format!(
+            "DELETE FROM {schema}.book_authors WHERE ctid = (SELECT ctid FROM {schema}.book_authors \
+             WHERE book_id = 'b{b}' OR author_id = 'a{a}' LIMIT 1)"
+        ),
+        89..=95 => format!(
+            "UPDATE {schema}.book_authors SET position = {} WHERE book_id = 'b{b}'",
+            rng.below(4)
+        ),
+        // A column no document uses.
+        _ => format!("UPDATE {schema}.books SET updated_at = now() WHERE id = 'b{b}'"),
+    }
+}
+
+/// Runs `operations` random statements in transactions of 1 to 6 statements (one in twenty
+/// rolled back); a short pause every `pause_every` transactions.
+fn workload(schema: &str, seed: u64, operations: u64, pause_every: u64) {
+    let mut client = postgres::Client::connect(&url(), postgres::NoTls).unwrap();
+    let mut rng = Rng(seed);
+    let mut done = 0;
+    let mut transactions = 0u64;
+    while done < operations {
+        let size = 1 + rng.below(6);
+        let mut sql = String::from("BEGIN;");
+        for _ in 0..size {
+            sql.push_str(&operation(&mut rng, schema));
+            sql.push(';');
+        }
+        sql.push_str(if rng.below(20) == 0 {
+            "ROLLBACK;"
+        } else {
+            "COMMIT;"
+        });
+        client.batch_execute(&sql).unwrap();
+        done += size;
+        transactions += 1;
+        if pause_every > 0 && transactions.is_multiple_of(pause_every) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// The initial rows: every author and book, and about three authors per book.
+fn seed_rows(schema: &str) {
+    psql(&format!(
+        "INSERT INTO {schema}.authors (id, first_name, last_name, thumbnail_url, profile_url)
+           SELECT 'a' || g, 'First' || g, 'Last' || g, CASE WHEN g % 3 > 0 THEN 'https://img/t/' || g END,
+                  CASE WHEN g % 2 = 0 THEN 'https://img/p/' || g END FROM generate_series(0, {}) g;
+         INSERT INTO {schema}.books (id, name) SELECT 'b' || g, 'Book ' || g FROM generate_series(0, {}) g;
+         INSERT INTO {schema}.book_authors SELECT 'b' || g, 'a' || ((g * 7 + k * 13) % {AUTHORS}), k
+           FROM generate_series(0, {}) g, generate_series(0, 2) k ON CONFLICT DO NOTHING;",
+        AUTHORS - 1,
+        BOOKS - 1,
+        BOOKS - 1
+    ));
+}
+
+fn verify(pipeline: &Path) -> (i32, String) {
+    let out = output(refract().arg("verify").arg(pipeline));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap_or(-1), format!("{stdout}{stderr}"))
+}
+
+fn catch_up(pipeline: &Path) {
+    let out = output(refract().arg("run").arg(pipeline).arg("--until-caught-up"));
+    assert!(
+        out.status.success(),
+        "catch-up failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_random_workload_streams_into_documents_that_verify_finds_equal_and_tampering_is_named() {
+    let schema = "docs_workload";
+    let _cleanup = Cleanup::new(schema, &[]);
+    fresh_schema(schema);
+    seed_rows(schema);
+    let dir = tempfile::tempdir().unwrap();
+    let pipeline = pipeline_file(dir.path(), schema);
+    // The first run snapshots the tables and builds every document.
+    catch_up(&pipeline);
+    let (code, report) = verify(&pipeline);
+    assert_eq!(code, 0, "after the snapshot: {report}");
+
+    let mut daemon = Running::spawn(
+        refract()
+            .arg("run")
+            .arg(&pipeline)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null()),
+    );
+    workload(schema, 0x5eed, 50_000, 0);
+    daemon.terminate();
+    assert!(daemon.child().wait().unwrap().success());
+    catch_up(&pipeline);
+    let (code, report) = verify(&pipeline);
+    assert_eq!(code, 0, "after 50,000 operations: {report}");
+    eprintln!("{report}");
+    let books: u64 = psql(&format!("SELECT count(*) FROM {schema}.books"))
+        .parse()
+        .unwrap();
+    let docs: u64 = psql(&format!("SELECT count(*) FROM {schema}_rm.book_docs"))
+        .parse()
+        .unwrap();
+    assert_eq!(books, docs);
+
+    // Tampering by hand: a changed field and a removed document are named.
+    let book = psql(&format!(
+        "SELECT id FROM {schema}_rm.book_docs WHERE jsonb_array_length(doc->'authors') > 0 ORDER BY id LIMIT 1"
+    ));
+    let author = psql(&format!(
+        "SELECT id FROM {schema}_rm.author_docs ORDER BY id DESC LIMIT 1"
+    ));
+    psql(&format!(
+        "UPDATE {schema}_rm.book_docs SET doc = jsonb_set(doc, '{{authors,0,name}}', '\"Someone Else\"') WHERE id = '{book}';
+         DELETE FROM {schema}_rm.author_docs WHERE id = '{author}'"
+    ));
+    let (code, report) = verify(&pipeline);
+    assert_eq!(code, 1, "{report}");
+    assert!(
+        report.contains(&format!("differing  {book}")) && report.contains("Someone Else"),
+        "{report}"
+    );
+    assert!(report.contains(&format!("missing    {author}")), "{report}");
+    assert!(report.contains("book_docs -> target"), "{report}");
+}
+
+#[test]
+fn documents_survive_sigkills_during_the_workload() {
+    let schema = "docs_kill";
+    let _cleanup = Cleanup::new(schema, &[]);
+    fresh_schema(schema);
+    seed_rows(schema);
+    let dir = tempfile::tempdir().unwrap();
+    let pipeline = pipeline_file(dir.path(), schema);
+    catch_up(&pipeline);
+    let writer = std::thread::spawn(move || workload(schema, 0xc0ffee, 50_000, 10));
+    let mut rng = Rng(7);
+    let mut kills = 0;
+    let mut runs = 0;
+    while kills < 20 || !writer.is_finished() {
+        runs += 1;
+        assert!(runs < 200, "the workload did not end");
+        let lifetime = Duration::from_millis(300 + rng.below(1_500));
+        if run_and_kill(&pipeline, lifetime) {
+            kills += 1;
+        }
+    }
+    writer.join().unwrap();
+    catch_up(&pipeline);
+    let (code, report) = verify(&pipeline);
+    assert_eq!(code, 0, "after {kills} SIGKILLs: {report}");
+    eprintln!("{kills} SIGKILLs in {runs} runs; {report}");
+}
