@@ -250,6 +250,58 @@ fn the_demo_runs_to_completion_without_services() {
         order["created_at"].as_str().is_some_and(|s| s.len() == 26),
         "{order}"
     );
+    // The denormalized documents agree with the replicated rows: every book document embeds its
+    // linked authors (by position, then id) with their current names, every author document
+    // lists its books and counts them.
+    let row = |c: &str, k: &str| docs.get(&(c.to_owned(), k.to_owned()));
+    assert_eq!(count("book_docs"), count("books"));
+    assert_eq!(count("author_docs"), count("authors"));
+    for ((c, book), doc) in &docs {
+        if c != "book_docs" {
+            continue;
+        }
+        let mut links: Vec<(i64, String)> = docs
+            .iter()
+            .filter(|((c, _), l)| c == "book_authors" && l["book_id"] == book.as_str())
+            .map(|(_, l)| {
+                (
+                    l["position"].as_i64().unwrap(),
+                    l["author_id"].as_str().unwrap().to_owned(),
+                )
+            })
+            .filter(|(_, a)| row("authors", a).is_some())
+            .collect();
+        links.sort();
+        let embedded: Vec<serde_json::Value> = links
+            .iter()
+            .map(|(_, a)| {
+                let author = row("authors", a).unwrap();
+                serde_json::json!({
+                    "id": a,
+                    "name": format!("{} {}", author["first_name"].as_str().unwrap(), author["last_name"].as_str().unwrap()),
+                    "thumbnailUrl": author["thumbnail_url"],
+                })
+            })
+            .collect();
+        assert_eq!(
+            doc["authors"],
+            serde_json::Value::Array(embedded),
+            "book {book}"
+        );
+    }
+    let linked = docs
+        .iter()
+        .filter(|((c, _), l)| {
+            c == "book_authors" && row("books", l["book_id"].as_str().unwrap()).is_some()
+        })
+        .count() as u64;
+    let counted: u64 = docs
+        .iter()
+        .filter(|((c, _), _)| c == "author_docs")
+        .map(|(_, d)| d["countOfBooks"].as_u64().unwrap())
+        .sum();
+    assert!(linked > 0);
+    assert_eq!(counted, linked);
     // Without Redis the cache invalidations went to the fallback file, and the summary says so.
     let commands = std::fs::read_to_string(out_dir.join("redis-commands.txt")).unwrap();
     assert!(

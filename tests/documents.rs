@@ -12,15 +12,18 @@ use std::time::Duration;
 use common::pg::{Cleanup, psql, url};
 use common::*;
 
-/// The shipped pipeline, on the tables of schema `schema` and with read models in
-/// `{schema}_rm`, under its own pipeline (slot) name.
-fn pipeline_file(dir: &Path, schema: &str) -> PathBuf {
+/// The shipped pipeline `pipelines/{file}.toml`, on the tables of schema `schema` and with read
+/// models in `{schema}_rm`, under its own pipeline (slot) name.
+fn shipped_pipeline(dir: &Path, file: &str, schema: &str) -> PathBuf {
     let shipped = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../pipelines/authors-books.toml"),
+        Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../pipelines/{file}.toml")),
     )
     .unwrap();
     let text = shipped
-        .replace("name = \"authors-books\"", &format!("name = \"{schema}\""))
+        .replace(
+            &format!("name = \"{file}\""),
+            &format!("name = \"{schema}\""),
+        )
         .replace("public.", &format!("{schema}."))
         .replace(
             "schema = \"read_models\"",
@@ -30,8 +33,8 @@ fn pipeline_file(dir: &Path, schema: &str) -> PathBuf {
             "on_error = \"dead_letter\"",
             "on_error = \"dead_letter\"\n[pipeline.batch]\nmax_delay_ms = 50",
         );
-    assert!(text.contains(&format!("{schema}.book_authors")));
-    let path = dir.join("authors-books.toml");
+    assert!(text.contains(&format!("name = \"{schema}\"")));
+    let path = dir.join(format!("{file}.toml"));
     std::fs::write(
         &path,
         text.replace(
@@ -41,6 +44,10 @@ fn pipeline_file(dir: &Path, schema: &str) -> PathBuf {
     )
     .unwrap();
     path
+}
+
+fn pipeline_file(dir: &Path, schema: &str) -> PathBuf {
+    shipped_pipeline(dir, "authors-books", schema)
 }
 
 /// The showcase tables (`../shared/showcase/authors_books.sql`) in a fresh schema.
@@ -209,6 +216,27 @@ fn a_random_workload_streams_into_documents_that_verify_finds_equal_and_tamperin
     catch_up(&pipeline);
     let (code, report) = verify(&pipeline);
     assert_eq!(code, 0, "after the snapshot: {report}");
+    // A rolled-back transaction (a rename reaching many books, a new link) leaves no trace.
+    psql(&format!(
+        "BEGIN; UPDATE {schema}.authors SET first_name = 'Ghost' WHERE id = 'a1';
+         INSERT INTO {schema}.book_authors VALUES ('b5', 'a1', 9) ON CONFLICT DO NOTHING; ROLLBACK;
+         UPDATE {schema}.books SET name = 'After the rollback' WHERE id = 'b5';"
+    ));
+    catch_up(&pipeline);
+    assert_eq!(
+        psql(&format!(
+            "SELECT count(*) FROM {schema}_rm.book_docs WHERE doc::text LIKE '%Ghost%' OR \
+             (id = 'b5' AND doc->'authors' @> '[{{\"id\": \"a1\"}}]' AND NOT EXISTS \
+              (SELECT 1 FROM {schema}.book_authors WHERE book_id = 'b5' AND author_id = 'a1'))"
+        )),
+        "0"
+    );
+    assert_eq!(
+        psql(&format!(
+            "SELECT doc->>'name' FROM {schema}_rm.book_docs WHERE id = 'b5'"
+        )),
+        "After the rollback"
+    );
 
     let mut daemon = Running::spawn(
         refract()
@@ -279,4 +307,70 @@ fn documents_survive_sigkills_during_the_workload() {
     let (code, report) = verify(&pipeline);
     assert_eq!(code, 0, "after {kills} SIGKILLs: {report}");
     eprintln!("{kills} SIGKILLs in {runs} runs; {report}");
+}
+
+#[test]
+fn customers_keep_their_five_most_recent_orders_through_a_random_workload() {
+    let schema = "docs_customers";
+    let _cleanup = Cleanup::new(schema, &[]);
+    psql(&format!(
+        "SET client_min_messages = warning;
+         DROP SCHEMA IF EXISTS {schema} CASCADE; DROP SCHEMA IF EXISTS {schema}_rm CASCADE;
+         CREATE SCHEMA {schema};
+         CREATE TABLE {schema}.customers (id text PRIMARY KEY, name text NOT NULL, email text, tier text);
+         CREATE TABLE {schema}.orders (order_id text PRIMARY KEY, user_id text NOT NULL, region text NOT NULL,
+             status text NOT NULL, total_amount numeric(12,2) NOT NULL, created_at timestamptz NOT NULL);
+         INSERT INTO {schema}.customers SELECT 'U' || g, 'Customer ' || g, 'c' || g || '@example.com', 'gold'
+           FROM generate_series(0, 99) g;
+         INSERT INTO {schema}.orders SELECT 'ORD-' || g, 'U' || (g % 120), 'EU', 'paid', g * 1.25,
+           timestamptz '2026-01-01' + g * interval '1 hour' FROM generate_series(0, 1999) g;"
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let pipeline = shipped_pipeline(dir.path(), "customer-orders", schema);
+    catch_up(&pipeline);
+    let mut client = postgres::Client::connect(&url(), postgres::NoTls).unwrap();
+    let mut rng = Rng(42);
+    for _ in 0..3_000 {
+        let order = rng.below(2_500);
+        let user = rng.below(120);
+        let sql = match rng.below(10) {
+            0..=3 => format!(
+                "INSERT INTO {schema}.orders VALUES ('ORD-{order}', 'U{user}', 'US', 'pending', {}, now() - interval '{} minutes')
+                 ON CONFLICT (order_id) DO UPDATE SET status = 'shipped'",
+                rng.below(10_000),
+                rng.below(100_000)
+            ),
+            4 | 5 => format!("DELETE FROM {schema}.orders WHERE order_id = 'ORD-{order}'"),
+            // An order moves to another customer.
+            6 => format!("UPDATE {schema}.orders SET user_id = 'U{user}' WHERE order_id = 'ORD-{order}'"),
+            7 => format!("UPDATE {schema}.customers SET name = 'Renamed {}' WHERE id = 'U{user}'", rng.below(99)),
+            8 => format!("DELETE FROM {schema}.customers WHERE id = 'U{user}'"),
+            _ => format!(
+                "INSERT INTO {schema}.customers VALUES ('U{user}', 'New {user}', NULL, 'silver') ON CONFLICT DO NOTHING"
+            ),
+        };
+        client.batch_execute(&sql).unwrap();
+    }
+    catch_up(&pipeline);
+    let (code, report) = verify(&pipeline);
+    assert_eq!(code, 0, "{report}");
+    // Spot check against SQL: the five newest orders of the customer with the most.
+    let user = psql(&format!(
+        "SELECT c.id FROM {schema}.customers c JOIN {schema}.orders o ON o.user_id = c.id
+         GROUP BY c.id ORDER BY count(*) DESC, c.id LIMIT 1"
+    ));
+    let want = psql(&format!(
+        "SELECT string_agg(order_id, ',') FROM (SELECT order_id FROM {schema}.orders WHERE user_id = '{user}'
+         ORDER BY created_at DESC, order_id LIMIT 5) t"
+    ));
+    let got = psql(&format!(
+        "SELECT string_agg(o->>'orderId', ',') FROM {schema}_rm.customer_docs, jsonb_array_elements(doc->'recentOrders') o
+         WHERE id = '{user}'"
+    ));
+    assert_eq!(got, want);
+    let count = psql(&format!(
+        "SELECT (doc->>'orderCount')::int = (SELECT count(*) FROM {schema}.orders WHERE user_id = '{user}')
+         FROM {schema}_rm.customer_docs WHERE id = '{user}'"
+    ));
+    assert_eq!(count, "t");
 }
