@@ -188,6 +188,18 @@ fn seed_rows(schema: &str) {
     ));
 }
 
+/// Fresh seeded tables in `schema` and the authors-books pipeline on them, caught up (its
+/// snapshot read); the slot goes with the returned cleanup.
+fn seeded(schema: &str) -> (Cleanup, tempfile::TempDir, PathBuf) {
+    let cleanup = Cleanup::new(schema, &[]);
+    fresh_schema(schema);
+    seed_rows(schema);
+    let dir = tempfile::tempdir().unwrap();
+    let pipeline = pipeline_file(dir.path(), schema);
+    catch_up(&pipeline);
+    (cleanup, dir, pipeline)
+}
+
 fn verify(pipeline: &Path) -> (i32, String) {
     let out = output(refract().arg("verify").arg(pipeline));
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -207,13 +219,8 @@ fn catch_up(pipeline: &Path) {
 #[test]
 fn a_random_workload_streams_into_documents_that_verify_finds_equal_and_tampering_is_named() {
     let schema = "docs_workload";
-    let _cleanup = Cleanup::new(schema, &[]);
-    fresh_schema(schema);
-    seed_rows(schema);
-    let dir = tempfile::tempdir().unwrap();
-    let pipeline = pipeline_file(dir.path(), schema);
     // The first run snapshots the tables and builds every document.
-    catch_up(&pipeline);
+    let (_cleanup, _dir, pipeline) = seeded(schema);
     let (code, report) = verify(&pipeline);
     assert_eq!(code, 0, "after the snapshot: {report}");
     // A rolled-back transaction (a rename reaching many books, a new link) leaves no trace.
@@ -284,12 +291,7 @@ fn a_random_workload_streams_into_documents_that_verify_finds_equal_and_tamperin
 #[test]
 fn documents_survive_sigkills_during_the_workload() {
     let schema = "docs_kill";
-    let _cleanup = Cleanup::new(schema, &[]);
-    fresh_schema(schema);
-    seed_rows(schema);
-    let dir = tempfile::tempdir().unwrap();
-    let pipeline = pipeline_file(dir.path(), schema);
-    catch_up(&pipeline);
+    let (_cleanup, _dir, pipeline) = seeded(schema);
     let writer = std::thread::spawn(move || workload(schema, 0xc0ffee, 50_000, 10));
     let mut rng = Rng(7);
     let mut kills = 0;

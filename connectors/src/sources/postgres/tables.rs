@@ -42,16 +42,7 @@ impl TableReader {
 
     /// `schema.table` of every table of `publication`, sorted.
     pub async fn published(&self, publication: &str) -> Result<Vec<String>, SourceError> {
-        let rows = self
-            .client
-            .query(
-                "SELECT schemaname::text || '.' || tablename::text FROM pg_publication_tables \
-                 WHERE pubname = $1 ORDER BY 1",
-                &[&publication],
-            )
-            .await
-            .map_err(io("cannot list the publication's tables"))?;
-        Ok(rows.iter().map(|r| r.get(0)).collect())
+        super::snapshot::published_tables(&self.client, publication).await
     }
 
     /// The planner's estimate of the rows of `table` (`schema.table`; 0 when never analyzed).
@@ -75,7 +66,6 @@ impl TableReader {
         table: &str,
         visit: &mut (dyn FnMut(ChangeEvent) + Send),
     ) -> Result<u64, SourceError> {
-        use futures::StreamExt as _;
         let (schema, name) = table.split_once('.').unwrap_or(("public", table));
         let quoted = format!("{}.{}", quote_ident(schema), quote_ident(name));
         let columns = self.columns(&quoted).await?;
@@ -90,58 +80,40 @@ impl TableReader {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        let stream = self
-            .client
-            .copy_out(sql.as_str())
-            .await
-            .map_err(io(format!("cannot read `{table}`")))?;
-        futures::pin_mut!(stream);
-        let mut pending: Vec<u8> = Vec::new();
         let mut count = 0u64;
-        while let Some(data) = stream.next().await {
-            let data = data.map_err(io(format!("reading `{table}` failed")))?;
-            pending.extend_from_slice(&data);
-            let mut fields = Vec::new();
-            let mut start = 0;
-            while let Some(n) = memchr::memchr(b'\n', &pending[start..]) {
-                let line = &pending[start..start + n];
-                start += n + 1;
-                parse_copy_line(line, &mut fields).map_err(|e| {
-                    SourceError::Inconsistent(format!("`{table}`: unreadable row: {e}"))
-                })?;
-                let mut row = Row::new();
-                for ((column, oid), value) in columns.names.iter().zip(&columns.types).zip(&fields)
-                {
-                    let value = match value {
-                        None => Value::Null,
-                        Some(text) => text_to_json(*oid, text).map_err(|e| {
-                            SourceError::Inconsistent(format!("`{table}` column `{column}`: {e}"))
-                        })?,
-                    };
-                    row.insert(column.clone(), value);
-                }
-                let key: Row = columns
-                    .key
-                    .iter()
-                    .filter_map(|k| row.get(k).map(|v| (k.clone(), v.clone())))
-                    .collect();
-                count += 1;
-                visit(ChangeEvent {
-                    table: id.clone(),
-                    op: Op::Read,
-                    key: (!key.is_empty()).then(|| Arc::new(key)),
-                    before: None,
-                    after: Some(Arc::new(row)),
-                    source: Default::default(),
-                    transaction: None,
-                    position: Position {
-                        partition: partition.clone(),
-                        offset: Offset(0, count),
-                    },
-                });
+        copy_lines(&self.client, &sql, table, &mut |fields| {
+            let mut row = Row::new();
+            for ((column, oid), value) in columns.names.iter().zip(&columns.types).zip(fields) {
+                let value = match value {
+                    None => Value::Null,
+                    Some(text) => text_to_json(*oid, text).map_err(|e| {
+                        SourceError::Inconsistent(format!("`{table}` column `{column}`: {e}"))
+                    })?,
+                };
+                row.insert(column.clone(), value);
             }
-            pending.drain(..start);
-        }
+            let key: Row = columns
+                .key
+                .iter()
+                .filter_map(|k| row.get(k).map(|v| (k.clone(), v.clone())))
+                .collect();
+            count += 1;
+            visit(ChangeEvent {
+                table: id.clone(),
+                op: Op::Read,
+                key: (!key.is_empty()).then(|| Arc::new(key)),
+                before: None,
+                after: Some(Arc::new(row)),
+                source: Default::default(),
+                transaction: None,
+                position: Position {
+                    partition: partition.clone(),
+                    offset: Offset(0, count),
+                },
+            });
+            Ok(())
+        })
+        .await?;
         Ok(count)
     }
 
@@ -186,7 +158,6 @@ pub async fn read_documents(
     table: &str,
     visit: &mut (dyn FnMut(String, Value) + Send),
 ) -> Result<bool, SourceError> {
-    use futures::StreamExt as _;
     let client = connect(url).await?;
     let exists = client
         .query_one(
@@ -203,31 +174,46 @@ pub async fn read_documents(
         quote_ident(schema),
         quote_ident(table)
     );
+    let what = format!("{schema}.{table}");
+    copy_lines(&client, &sql, &what, &mut |fields| {
+        let (Some(Some(id)), Some(Some(doc))) = (fields.first(), fields.get(1)) else {
+            return Ok(());
+        };
+        let doc: Value = serde_json::from_str(doc)
+            .map_err(|e| SourceError::Inconsistent(format!("{what}: document `{id}`: {e}")))?;
+        visit(id.to_string(), doc);
+        Ok(())
+    })
+    .await?;
+    Ok(true)
+}
+
+/// Runs `sql` (a `COPY … TO STDOUT`) and calls `line` with the fields of each line.
+async fn copy_lines(
+    client: &tokio_postgres::Client,
+    sql: &str,
+    what: &str,
+    line: &mut (dyn FnMut(&[Option<std::borrow::Cow<'_, str>>]) -> Result<(), SourceError> + Send),
+) -> Result<(), SourceError> {
+    use futures::StreamExt as _;
     let stream = client
-        .copy_out(sql.as_str())
+        .copy_out(sql)
         .await
-        .map_err(io(format!("cannot read {schema}.{table}")))?;
+        .map_err(io(format!("cannot read {what}")))?;
     futures::pin_mut!(stream);
     let mut pending: Vec<u8> = Vec::new();
     while let Some(data) = stream.next().await {
-        let data = data.map_err(io(format!("reading {schema}.{table} failed")))?;
+        let data = data.map_err(io(format!("reading {what} failed")))?;
         pending.extend_from_slice(&data);
         let mut fields = Vec::new();
         let mut start = 0;
         while let Some(n) = memchr::memchr(b'\n', &pending[start..]) {
-            let line = &pending[start..start + n];
+            parse_copy_line(&pending[start..start + n], &mut fields)
+                .map_err(|e| SourceError::Inconsistent(format!("{what}: unreadable row: {e}")))?;
             start += n + 1;
-            parse_copy_line(line, &mut fields)
-                .map_err(|e| SourceError::Inconsistent(format!("{schema}.{table}: {e}")))?;
-            let (Some(Some(id)), Some(Some(doc))) = (fields.first(), fields.get(1)) else {
-                continue;
-            };
-            let doc: Value = serde_json::from_str(doc).map_err(|e| {
-                SourceError::Inconsistent(format!("{schema}.{table}: document `{id}`: {e}"))
-            })?;
-            visit(id.to_string(), doc);
+            line(&fields)?;
         }
         pending.drain(..start);
     }
-    Ok(true)
+    Ok(())
 }

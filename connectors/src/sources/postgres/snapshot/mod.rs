@@ -429,7 +429,7 @@ async fn table_shape(
 }
 
 /// `schema.table` of every table of the publication, sorted.
-async fn published_tables(
+pub(crate) async fn published_tables(
     client: &tokio_postgres::Client,
     publication: &str,
 ) -> Result<Vec<String>, SourceError> {
