@@ -596,7 +596,7 @@ fn backfill_while_the_daemon_streams_under_update_and_delete_load() {
     // 250 transactions/s of one update and one delete each: 500 changes/s, for longer than the
     // backfill takes (it is stopped when the backfill is done).
     let seconds = (10 + rows / 2_000) as u32;
-    let mut load = update_delete_load(name, rows, 250, seconds);
+    let load = update_delete_load(name, rows, 250, seconds);
     std::thread::sleep(Duration::from_secs(2));
     let started = std::time::Instant::now();
     let backfill = output(refract().arg("backfill").arg(&pipeline));
@@ -640,7 +640,7 @@ fn backfill_without_a_daemon_under_update_and_delete_load() {
         "UPDATE {name} SET note = 'before' WHERE id % 1000 = 0; DELETE FROM {name} WHERE id % 1000 = 1"
     ));
     let seconds = (10 + rows / 20_000) as u32;
-    let mut load = update_delete_load(name, rows, 250, seconds);
+    let load = update_delete_load(name, rows, 250, seconds);
     std::thread::sleep(Duration::from_secs(2));
     let started = std::time::Instant::now();
     let backfill = output(
