@@ -1,5 +1,5 @@
 # Shared by the benchmark scripts (sourced, not run): the showcase `products` table
-# (../shared/showcase/products.sql), filled.
+# (../shared/showcase/products.sql), filled; pgbench sending the PostgreSQL sink's upserts.
 
 # create_products ROWS: creates and fills `products` through the caller's `sql` function.
 create_products() {
@@ -38,4 +38,38 @@ url = "${redis_url%/}/$db"
 command = "unlink"
 pipeline_depth = $depth
 TOML
+}
+
+# The PostgreSQL sink's document upserts as pgbench sends them (benches/pg_upsert.sh,
+# benches/documents.sh): one multi-row `INSERT … ON CONFLICT (id) DO UPDATE … WHERE
+# t.source_position <= excluded.source_position` of 100 documents per transaction, on one
+# connection, into a table of the sink's shape.
+
+# pgbench_docs_table TABLE: creates TABLE in the sink's shape through the caller's `sql` function.
+pgbench_docs_table() {
+    sql "CREATE TABLE $1 (id text PRIMARY KEY, doc jsonb NOT NULL,
+         source_position text COLLATE \"C\" NOT NULL, updated_at timestamptz NOT NULL DEFAULT now())"
+}
+
+# pgbench_upsert_tps TABLE DOCS IDS KEY_PREFIX FIRST DOC: sends DOCS / 100 such statements into
+# TABLE, each upserting the 100 consecutive keys KEY_PREFIX || (n .. n + 99) of a block drawn at
+# random over FIRST .. FIRST + IDS - 1, every document DOC (JSON text, the size of the pipeline's);
+# prints pgbench's tps (statements/s). Uses the caller's $pg_url and $work.
+pgbench_upsert_tps() {
+    local table=$1 docs=$2 ids=$3 prefix=$4 first=$5 doc=$6
+    python3 - "$table" "$ids" "$prefix" "$first" "$doc" > "$work/pgbench.sql" <<'PY'
+import sys
+table, ids, prefix, first, doc = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+print(f"\\set base random(0, {ids // 100 - 1})")
+rows = [f"('{prefix}' || (:base * 100 + {first + k})::text, '{doc}', '00000000000000000001.00000000000000000000')"
+        for k in range(100)]
+print(f"INSERT INTO {table} AS t (id, doc, source_position) VALUES " + ", ".join(rows)
+      + " ON CONFLICT (id) DO UPDATE SET doc = excluded.doc, source_position = excluded.source_position,"
+      + " updated_at = now() WHERE t.source_position <= excluded.source_position;")
+PY
+    local out tps
+    out=$(pgbench -n -c 1 -j 1 -t "$(( docs / 100 ))" -f "$work/pgbench.sql" "$pg_url" 2>&1)
+    tps=$(sed -n 's/^tps = \([0-9.]*\).*/\1/p' <<<"$out" | tail -1)
+    [ -n "$tps" ] || { echo "pgbench failed: $out" >&2; return 1; }
+    echo "$tps"
 }

@@ -14,9 +14,15 @@
 //! always has the same details), shipping (method, status, address) and 1 to 4 items (sku, qty,
 //! unit_price_cents).
 //!
+//! With `--books`, for the document benchmark (benches/documents.sh): N changes of the showcase
+//! `public.books` table (`id` text `b0`..`b{IDS-1}`, `name`, `published_on`, `updated_at`), each on
+//! an id drawn from the range: a create (op `c`) the first time an id comes up, an update (op `u`,
+//! full old and new rows, the name changed) after that.
+//!
 //! Usage: gen-envelopes N OUTPUT
 //!        gen-envelopes --products N OUTPUT [IDS]
 //!        gen-envelopes --orders N OUTPUT
+//!        gen-envelopes --books N OUTPUT IDS
 
 use std::io::{BufWriter, Write};
 
@@ -28,6 +34,9 @@ fn main() {
     }
     if std::env::args().nth(1).as_deref() == Some("--orders") {
         return orders(std::env::args().skip(2));
+    }
+    if std::env::args().nth(1).as_deref() == Some("--books") {
+        return books(std::env::args().skip(2));
     }
     let mut args = std::env::args().skip(1);
     let n: u64 = args
@@ -111,6 +120,47 @@ fn products(mut args: impl Iterator<Item = String>) {
             "op": "u",
             "source": {"version": "2.7.0.Final", "connector": "postgresql", "name": "bench", "ts_ms": 1_790_000_000_000u64 + i,
                        "snapshot": "false", "db": "shop", "schema": "public", "table": "products", "txId": 1000 + i, "lsn": 40_000_000 + i * 200},
+            "ts_ms": 1_790_000_000_000u64 + i + 5,
+        });
+        serde_json::to_writer(&mut out, &envelope).expect("write");
+        out.write_all(b"\n").expect("write");
+    }
+    out.flush().expect("flush");
+}
+
+/// `--books N OUTPUT IDS`: book creates and updates, see the module comment.
+fn books(mut args: impl Iterator<Item = String>) {
+    const USAGE: &str = "usage: gen-envelopes --books N OUTPUT IDS";
+    let n: u64 = args.next().and_then(|a| a.parse().ok()).expect(USAGE);
+    let path = args.next().expect(USAGE);
+    let ids: u64 = args.next().and_then(|a| a.parse().ok()).expect(USAGE);
+    let mut out = BufWriter::new(std::fs::File::create(&path).expect("output file"));
+    let mut next = xorshift(0xA076_1D64_78BD_642Fu64);
+    // The edition each id is at: 0 before its create.
+    let mut editions = vec![0u32; usize::try_from(ids).expect("IDS fits in memory")];
+    let row = |id: u64, edition: u32, ts: u64| {
+        json!({
+            "id": format!("b{id}"),
+            "name": format!("Book {id} ed. {edition}"),
+            "published_on": format!("20{:02}-{:02}-{:02}", id % 26, 1 + id % 12, 1 + id % 28),
+            "updated_at": format!("2026-09-{:02}T{:02}:{:02}:{:02}.{:06}Z", 1 + ts / 86_400 % 28, ts / 3600 % 24, ts / 60 % 60, ts % 60, ts % 1_000_000),
+        })
+    };
+    for i in 0..n {
+        let id = next() % ids;
+        let edition = &mut editions[id as usize];
+        *edition += 1;
+        let (op, before) = if *edition == 1 {
+            ("c", serde_json::Value::Null)
+        } else {
+            ("u", row(id, *edition - 1, i))
+        };
+        let envelope = json!({
+            "before": before,
+            "after": row(id, *edition, i + 1),
+            "op": op,
+            "source": {"version": "2.7.0.Final", "connector": "postgresql", "name": "bench", "ts_ms": 1_790_000_000_000u64 + i,
+                       "snapshot": "false", "db": "refract", "schema": "public", "table": "books", "txId": 1000 + i, "lsn": 40_000_000 + i * 200},
             "ts_ms": 1_790_000_000_000u64 + i + 5,
         });
         serde_json::to_writer(&mut out, &envelope).expect("write");

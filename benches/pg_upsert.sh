@@ -14,6 +14,7 @@
 #        BENCH_DIR (keeps the generated file for another run))
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benches/common.sh
 default_docs=1000000
 [ "${CI:-}" = "true" ] && default_docs=200000
 docs=${1:-$default_docs}
@@ -37,26 +38,8 @@ trap cleanup EXIT
 log="$work/products-$docs-$ids.jsonl"
 [ -s "$log" ] || "$target/release/gen-envelopes" --products "$docs" "$log" "$ids"
 
-sql "DROP SCHEMA IF EXISTS bench_upsert CASCADE; CREATE SCHEMA bench_upsert;
-     CREATE TABLE bench_upsert.pgbench_docs (id text PRIMARY KEY, doc jsonb NOT NULL,
-         source_position text COLLATE \"C\" NOT NULL, updated_at timestamptz NOT NULL DEFAULT now())"
-
-# pgbench: one statement of 100 documents per transaction, keys at random over the id range,
-# each document as large as the products the pipeline writes.
-python3 - "$ids" > "$work/pgbench.sql" <<'PY'
-import sys
-ids = int(sys.argv[1])
-print(f"\\set base random(0, {ids // 100 - 1})")
-rows = []
-for k in range(100):
-    key = f"(:base * 100 + {k + 1})::text"
-    doc = ('{"id": 1234567, "sku": "sku-12345", "name": "Product 1234567", "tenant_id": "t1", '
-           '"price_cents": 12345, "updated_at": "2026-09-21T14:13:20.000000Z"}')
-    rows.append(f"({key}, '{doc}', '00000000000000000001.00000000000000000000')")
-print("INSERT INTO bench_upsert.pgbench_docs AS t (id, doc, source_position) VALUES " + ", ".join(rows)
-      + " ON CONFLICT (id) DO UPDATE SET doc = excluded.doc, source_position = excluded.source_position,"
-      + " updated_at = now() WHERE t.source_position <= excluded.source_position;")
-PY
+sql "DROP SCHEMA IF EXISTS bench_upsert CASCADE; CREATE SCHEMA bench_upsert"
+pgbench_docs_table bench_upsert.pgbench_docs
 
 cat > "$work/pipeline.toml" <<TOML
 [pipeline]
@@ -81,10 +64,10 @@ echo "file: $docs products updates over $ids ids, $(( $(stat -c %s "$log") / 104
 rm -rf "$work/state"
 RUST_LOG=warn /usr/bin/time -f '%e %M' -o "$work/time" \
     "$refract" run "$work/pipeline.toml" --summary-json "$work/summary.json" >/dev/null
-transactions=$(( docs / 100 ))
-pgbench_out=$(pgbench -n -c 1 -j 1 -t "$transactions" -f "$work/pgbench.sql" "$pg_url" 2>&1)
-tps=$(sed -n 's/^tps = \([0-9.]*\).*/\1/p' <<<"$pgbench_out" | tail -1)
-[ -n "$tps" ] || { echo "pgbench failed: $pgbench_out" >&2; exit 1; }
+# pgbench: keys at random over the id range, each document as large as the products the pipeline
+# writes.
+tps=$(pgbench_upsert_tps bench_upsert.pgbench_docs "$docs" "$ids" "" 1 \
+    '{"id": 1234567, "sku": "sku-12345", "name": "Product 1234567", "tenant_id": "t1", "price_cents": 12345, "updated_at": "2026-09-21T14:13:20.000000Z"}')
 rows=$(sql "SELECT count(*) FROM bench_upsert.products")
 
 python3 - "$work" "$docs" "$tps" "$rows" <<'PY'
