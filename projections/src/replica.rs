@@ -20,7 +20,21 @@ pub struct ReplicaProjection {
     /// What the configuration says about each table seen, worked out once.
     tables: HashMap<TableId, Arc<TableRule>>,
     /// The last table seen: consecutive events of one table skip the hash lookup.
-    last: Option<(TableId, Arc<TableRule>)>,
+    last: Option<Last>,
+}
+
+/// Write operations that share one copy of their collection name, at most: the operations
+/// are dropped on another thread while this one makes the next ones, and one reference count
+/// written by both would bounce between them on every operation.
+const COLLECTION_SHARES: u32 = 1024;
+
+/// The last table seen, its rule, and the copy of its collection name being handed out.
+struct Last {
+    table: TableId,
+    rule: Arc<TableRule>,
+    collection: Arc<str>,
+    /// Operations given `collection` so far.
+    shares: u32,
 }
 
 /// The configuration as it applies to one table.
@@ -39,14 +53,30 @@ impl ReplicaProjection {
         }
     }
 
-    fn rule(&mut self, table: &TableId) -> Arc<TableRule> {
-        if let Some((t, rule)) = &self.last {
-            if Arc::ptr_eq(&t.name, &table.name) && Arc::ptr_eq(&t.schema, &table.schema)
-                || t == table
-            {
-                return rule.clone();
+    /// The last table seen, made `table`'s.
+    fn last(&mut self, table: &TableId) -> &mut Last {
+        let same = |t: &TableId| {
+            Arc::ptr_eq(&t.name, &table.name) && Arc::ptr_eq(&t.schema, &table.schema)
+        };
+        match &mut self.last {
+            Some(last) if same(&last.table) => {}
+            // The same table under other copies of its names: those are kept, so that the
+            // next events compare by pointer again.
+            Some(last) if last.table == *table => last.table = table.clone(),
+            _ => {
+                let rule = self.rule(table);
+                self.last = Some(Last {
+                    table: table.clone(),
+                    collection: rule.collection.clone(),
+                    rule,
+                    shares: 0,
+                });
             }
         }
+        self.last.as_mut().expect("set above")
+    }
+
+    fn rule(&mut self, table: &TableId) -> Arc<TableRule> {
         let config = &self.config;
         let rule = self
             .tables
@@ -69,7 +99,6 @@ impl ReplicaProjection {
                 })
             })
             .clone();
-        self.last = Some((table.clone(), rule.clone()));
         rule
     }
 
@@ -114,6 +143,8 @@ pub fn render_key<'a>(mut values: impl ExactSizeIterator<Item = &'a Value>) -> S
         // One value (the usual primary key): its text directly, without an intermediate string.
         return match values.next() {
             Some(Value::String(s)) => s.clone(),
+            // An integer (the usual key) written without the formatter: it runs once per row.
+            Some(Value::Number(n)) if n.is_i64() || n.is_u64() => integer_text(n),
             // A number's own text is what the JSON rendering of the value prints.
             Some(Value::Number(n)) => n.to_string(),
             Some(other) => other.to_string(),
@@ -138,6 +169,16 @@ pub fn render_key<'a>(mut values: impl ExactSizeIterator<Item = &'a Value>) -> S
     out
 }
 
+/// The decimal text of an integer JSON number, as its JSON rendering prints it.
+fn integer_text(n: &serde_json::Number) -> String {
+    let mut buffer = itoa::Buffer::new();
+    match (n.as_u64(), n.as_i64()) {
+        (Some(u), _) => buffer.format(u).to_owned(),
+        (None, Some(i)) => buffer.format(i).to_owned(),
+        (None, None) => n.to_string(),
+    }
+}
+
 impl Projection for ReplicaProjection {
     fn reads(&self, table: &TableId) -> bool {
         self.config.tables.is_empty() || self.config.tables.iter().any(|t| table.matches(t))
@@ -156,8 +197,14 @@ impl Projection for ReplicaProjection {
         _now_ms: i64,
         out: &mut Vec<WriteOp>,
     ) -> Result<(), ProjectionError> {
-        let rule = self.rule(&event.table);
-        let collection = rule.collection.clone();
+        let last = self.last(&event.table);
+        if last.shares == COLLECTION_SHARES {
+            last.collection = Arc::from(&*last.collection);
+            last.shares = 0;
+        }
+        last.shares += 1;
+        let collection = last.collection.clone();
+        let rule = &*last.rule;
         let position = event.position.clone();
         match event.op {
             Op::Create | Op::Read | Op::Update => {
@@ -165,12 +212,12 @@ impl Projection for ReplicaProjection {
                     .after
                     .as_ref()
                     .ok_or_else(|| ProjectionError::Invalid("no after image".into()))?;
-                let key = Self::key(&rule, event, after)?;
+                let key = Self::key(rule, event, after)?;
                 if event.op == Op::Update && event.key.is_none() {
                     if let Some(before) = event.before.as_deref() {
                         // A before image without the key columns (replica identity DEFAULT
                         // sends only changed keys) cannot have moved the key.
-                        if let Ok(old) = Self::key(&rule, event, before) {
+                        if let Ok(old) = Self::key(rule, event, before) {
                             if old != key {
                                 out.push(WriteOp::Delete {
                                     collection: collection.clone(),
@@ -193,7 +240,7 @@ impl Projection for ReplicaProjection {
                     .before
                     .as_deref()
                     .ok_or_else(|| ProjectionError::Invalid("no before image".into()))?;
-                let key = Self::key(&rule, event, before)?;
+                let key = Self::key(rule, event, before)?;
                 out.push(WriteOp::Delete {
                     collection,
                     key,
@@ -331,6 +378,11 @@ mod tests {
         for v in [
             json!(7),
             json!(-7),
+            json!(0),
+            json!(10),
+            json!(1_000_000),
+            json!(i64::MIN),
+            json!(i64::MAX),
             json!(u64::MAX),
             json!(1.5),
             json!(1e300),

@@ -599,9 +599,11 @@ impl Processor {
                 }
                 _ = sleep_until(deadline) => self.dispatch().await?,
                 chunk = source.next_chunk() => match chunk? {
-                    Some(items) => {
+                    Some(mut items) => {
                         let now = crate::runtime::now_ms();
-                        for item in items {
+                        // Items are handled in place (not moved out one by one: they are
+                        // large) and dropped together with their chunk.
+                        for item in &mut items {
                             if let Err(e) = self.process(item, now) {
                                 // What came before bad input is written; after a state
                                 // failure nothing more is (the batch is replayed).
@@ -654,8 +656,9 @@ impl Processor {
         }
     }
 
-    /// Handles one source item: projects it, or records it as bad input.
-    fn process(&mut self, item: SourceItem, now: i64) -> Result<(), RunError> {
+    /// Handles one source item: projects it, or records it as bad input (taking its raw bytes
+    /// and reason).
+    fn process(&mut self, item: &mut SourceItem, now: i64) -> Result<(), RunError> {
         let SourceItem { record, raw } = item;
         self.summary.records += 1;
         self.records_metric.increment(1);
@@ -669,15 +672,15 @@ impl Processor {
                 self.reject(DeadLetter {
                     position: e.position.clone(),
                     stage: Stage::Decode,
-                    reason: e.reason,
+                    reason: std::mem::take(&mut e.reason),
                     table: None,
-                    raw,
+                    raw: std::mem::take(raw),
                 })?;
-                e.position
+                &e.position
             }
             Ok(Record::Tombstone(p)) => {
                 self.summary.tombstones += 1;
-                p
+                &*p
             }
             Ok(Record::Transaction(t)) => {
                 self.summary.transactions += u64::from(t.status == TxStatus::End);
@@ -685,7 +688,7 @@ impl Processor {
                 if t.status == TxStatus::End {
                     self.end_transaction(&t.position)?;
                 }
-                t.position
+                &t.position
             }
             Ok(Record::Change(event)) => {
                 self.summary.count_op(event.op);
@@ -699,7 +702,7 @@ impl Processor {
                     self.scratch.clear();
                     // Operations appended before an error are applied too: the projection
                     // did what it could, and the event goes to the dead letters for the rest.
-                    let result = route.projection.project(&event, now, &mut self.scratch);
+                    let result = route.projection.project(event, now, &mut self.scratch);
                     route_ops(&mut self.batch.ops, &route.sinks, &mut self.scratch);
                     if let Err(ProjectionError::State(reason)) = &result {
                         return Err(RunError::ProjectionState {
@@ -730,16 +733,18 @@ impl Processor {
                         stage,
                         reason,
                         table,
-                        raw,
+                        raw: std::mem::take(raw),
                     })?;
                 }
-                event.position
+                &event.position
             }
         };
         match self.batch.end.get_mut(&position.partition) {
             Some(end) => *end = position.offset,
             None => {
-                self.batch.end.insert(position.partition, position.offset);
+                self.batch
+                    .end
+                    .insert(position.partition.clone(), position.offset);
             }
         }
         Ok(())

@@ -559,11 +559,12 @@ pub fn parse_copy_line<'a>(
     if let Ok(text) = std::str::from_utf8(line) {
         let mut start = 0;
         let mut escaped = false;
-        // One pass finds the tabs and notes the backslashes of each field.
-        for (i, &b) in line.iter().enumerate() {
-            if b == b'\\' {
+        // One pass finds the tabs and notes the backslashes of each field (searched for
+        // together, many bytes at a time).
+        for i in memchr::memchr2_iter(b'\t', b'\\', line) {
+            if line[i] == b'\\' {
                 escaped = true;
-            } else if b == b'\t' {
+            } else {
                 out.push(copy_field(text, start, i, escaped)?);
                 start = i + 1;
                 escaped = false;

@@ -19,7 +19,7 @@ impl Reader {
         let mut total = 0u64;
         for index in 0..copy.tables.len() {
             let t = copy.tables[index].clone();
-            let table = match t.table.split_once('.') {
+            let mut table = match t.table.split_once('.') {
                 Some((schema, name)) => TableId::new(schema, name),
                 None => TableId::new("public", &t.table),
             };
@@ -84,23 +84,32 @@ impl Reader {
                     self.push_read(&table, &shape, &names, &fields, position, None);
                 }
                 spare = recycle(fields);
-                copy.progress
-                    .rows
-                    .fetch_add(row - counted, Ordering::Relaxed);
-                counted = row;
                 if carried {
                     pending.drain(..start);
                 } else {
                     pending.extend_from_slice(&data[start..]);
                 }
-                if self.chunk.len() >= CHUNK_EVENTS {
-                    self.flush(out).await?;
-                }
-                if *stop.borrow() {
-                    self.flush(out).await?;
-                    return Ok(false);
+                // A message holds one row: progress and a stop request are looked at once per
+                // chunk of rows, not per message.
+                if self.chunk.len() >= CHUNK_EVENTS || row - counted >= CHUNK_EVENTS as u64 {
+                    copy.progress
+                        .rows
+                        .fetch_add(row - counted, Ordering::Relaxed);
+                    counted = row;
+                    if self.chunk.len() >= CHUNK_EVENTS {
+                        self.flush(out).await?;
+                        // New copies for the next chunk, as `flush` makes of the other names.
+                        table = TableId::new(&table.schema, &table.name);
+                    }
+                    if *stop.borrow() {
+                        self.flush(out).await?;
+                        return Ok(false);
+                    }
                 }
             }
+            copy.progress
+                .rows
+                .fetch_add(row - counted, Ordering::Relaxed);
             self.flush(out).await?;
             copy.end(index, CopySnapshot::seq(index, row))?;
             total += row;

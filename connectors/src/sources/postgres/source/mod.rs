@@ -45,8 +45,9 @@ mod reader;
 /// The connector name in every event's source block.
 const CONNECTOR: &str = "postgresql";
 /// Changes per chunk handed to the runtime: a huge transaction flows in pieces (memory stays
-/// bounded); small transactions go as soon as they commit.
-const CHUNK_EVENTS: usize = 2_048;
+/// bounded); small transactions go as soon as they commit. Small enough that the runtime reads
+/// a snapshot's events while they are still in a cache (2048 measured slightly more CPU).
+const CHUNK_EVENTS: usize = 512;
 /// Chunks buffered ahead of the runtime.
 const CHANNEL_CHUNKS: usize = 4;
 /// How often standby status updates go to the server: often enough that the slot follows the

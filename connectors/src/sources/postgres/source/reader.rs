@@ -402,6 +402,13 @@ impl Reader {
         });
         out.send(Ok(chunk))
             .await
-            .map_err(|_| SourceError::Inconsistent("the runtime stopped reading".into()))
+            .map_err(|_| SourceError::Inconsistent("the runtime stopped reading".into()))?;
+        // The next chunk's events share new copies of the names every event carries: the
+        // runtime drops this chunk's references on another thread while this one makes the
+        // next chunk's, and one reference count written by both would bounce between them.
+        self.partition = Arc::from(&*self.partition);
+        self.connector = Arc::from(&*self.connector);
+        self.db = self.db.as_deref().map(Arc::from);
+        Ok(())
     }
 }
