@@ -195,7 +195,7 @@ pub async fn run(loaded: &LoadedPipeline) -> Result<Report, VerifyError> {
     let scratch = Scratch::create(crate::runtime::state_path(config).join("verify-scratch"))?;
 
     for (name, config, sinks) in targets {
-        let expected = recompute(
+        let mut expected = recompute(
             &name,
             config,
             &tables,
@@ -205,6 +205,12 @@ pub async fn run(loaded: &LoadedPipeline) -> Result<Report, VerifyError> {
             &mut report.rows,
         )
         .await?;
+        // A document projection's collection is compared even when the source says it must be
+        // empty (documents left in it are extra).
+        if let ProjectionConfig::Document(d) = config {
+            let collection = d.collection.clone().unwrap_or_else(|| name.clone());
+            expected.entry(collection).or_default();
+        }
         for (sink, s) in sinks {
             for (collection, documents) in &expected {
                 let table = s.table.replace("{collection}", collection);
