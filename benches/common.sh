@@ -45,6 +45,17 @@ TOML
 # t.source_position <= excluded.source_position` of 100 documents per transaction, on one
 # connection, into a table of the sink's shape.
 
+# pgbench_bench_setup: what the benchmarks next to pgbench need (GNU time, pgbench, the release
+# binaries), and sets $target, $refract and a `sql` function on the caller's $pg_url.
+pgbench_bench_setup() {
+    [ -x /usr/bin/time ] || { apt-get update -qq && apt-get install -y -qq time; }
+    command -v pgbench >/dev/null || { apt-get update -qq && apt-get install -y -qq postgresql-contrib; }
+    cargo build --release --locked -q -p refract -p refract-benches
+    target=${CARGO_TARGET_DIR:-target}
+    refract=$target/release/refract
+    sql() { psql "$pg_url" -X -q -v ON_ERROR_STOP=1 -Atc "$1"; }
+}
+
 # pgbench_docs_table TABLE: creates TABLE in the sink's shape through the caller's `sql` function.
 pgbench_docs_table() {
     sql "CREATE TABLE $1 (id text PRIMARY KEY, doc jsonb NOT NULL,

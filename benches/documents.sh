@@ -49,12 +49,7 @@ export PG_URL=$pg_url
 unset TARGET_PG_URL
 work=${BENCH_DIR:-$(mktemp -d)}
 mkdir -p "$work"
-[ -x /usr/bin/time ] || { apt-get update -qq && apt-get install -y -qq time; }
-command -v pgbench >/dev/null || { apt-get update -qq && apt-get install -y -qq postgresql-contrib; }
-cargo build --release --locked -q -p refract -p refract-benches
-target=${CARGO_TARGET_DIR:-target}
-refract=$target/release/refract
-sql() { psql "$pg_url" -X -q -v ON_ERROR_STOP=1 -Atc "$1"; }
+pgbench_bench_setup
 daemon=""
 cleanup() {
     if [ -n "$daemon" ]; then kill -TERM "$daemon" 2>/dev/null || true; wait "$daemon" 2>/dev/null || true; fi

@@ -72,16 +72,18 @@ fn main() {
         } else {
             ("d", row(id, r >> 3), serde_json::Value::Null)
         };
-        let envelope = json!({
-            "before": before,
-            "after": after,
-            "op": op,
-            "source": {"version": "2.7.0.Final", "connector": "postgresql", "name": "bench", "ts_ms": 1_790_000_000_000u64 + i,
-                       "snapshot": "false", "db": "shop", "schema": "public", "table": "orders", "txId": 1000 + i / 10, "lsn": 40_000_000 + i * 200},
-            "ts_ms": 1_790_000_000_000u64 + i + 5,
-        });
-        serde_json::to_writer(&mut out, &envelope).expect("write");
-        out.write_all(b"\n").expect("write");
+        write_envelope(
+            &mut out,
+            Source {
+                db: "shop",
+                table: "orders",
+                i,
+                tx: 1000 + i / 10,
+            },
+            op,
+            before,
+            after,
+        );
     }
     out.flush().expect("flush");
 }
@@ -114,16 +116,18 @@ fn products(mut args: impl Iterator<Item = String>) {
             old_sku.clone()
         };
         let price = (r >> 12) % 100_000;
-        let envelope = json!({
-            "before": row(id, &old_sku, price, i),
-            "after": row(id, &new_sku, price + 1, i + 1),
-            "op": "u",
-            "source": {"version": "2.7.0.Final", "connector": "postgresql", "name": "bench", "ts_ms": 1_790_000_000_000u64 + i,
-                       "snapshot": "false", "db": "shop", "schema": "public", "table": "products", "txId": 1000 + i, "lsn": 40_000_000 + i * 200},
-            "ts_ms": 1_790_000_000_000u64 + i + 5,
-        });
-        serde_json::to_writer(&mut out, &envelope).expect("write");
-        out.write_all(b"\n").expect("write");
+        write_envelope(
+            &mut out,
+            Source {
+                db: "shop",
+                table: "products",
+                i,
+                tx: 1000 + i,
+            },
+            "u",
+            row(id, &old_sku, price, i),
+            row(id, &new_sku, price + 1, i + 1),
+        );
     }
     out.flush().expect("flush");
 }
@@ -155,16 +159,18 @@ fn books(mut args: impl Iterator<Item = String>) {
         } else {
             ("u", row(id, *edition - 1, i))
         };
-        let envelope = json!({
-            "before": before,
-            "after": row(id, *edition, i + 1),
-            "op": op,
-            "source": {"version": "2.7.0.Final", "connector": "postgresql", "name": "bench", "ts_ms": 1_790_000_000_000u64 + i,
-                       "snapshot": "false", "db": "refract", "schema": "public", "table": "books", "txId": 1000 + i, "lsn": 40_000_000 + i * 200},
-            "ts_ms": 1_790_000_000_000u64 + i + 5,
-        });
-        serde_json::to_writer(&mut out, &envelope).expect("write");
-        out.write_all(b"\n").expect("write");
+        write_envelope(
+            &mut out,
+            Source {
+                db: "refract",
+                table: "books",
+                i,
+                tx: 1000 + i,
+            },
+            op,
+            before,
+            row(id, *edition, i + 1),
+        );
     }
     out.flush().expect("flush");
 }
@@ -245,18 +251,50 @@ fn orders(mut args: impl Iterator<Item = String>) {
             },
             "items": items,
         });
-        let envelope = json!({
-            "before": serde_json::Value::Null,
-            "after": {"id": format!("o{}", i + 1), "doc": doc, "updated_at": at(updated, Some((r >> 8) % 1_000_000))},
-            "op": "c",
-            "source": {"version": "2.7.0.Final", "connector": "postgresql", "name": "bench", "ts_ms": 1_790_000_000_000u64 + i,
-                       "snapshot": "false", "db": "refract", "schema": "public", "table": "customer_orders", "txId": 1000 + i / 10, "lsn": 40_000_000 + i * 200},
-            "ts_ms": 1_790_000_000_000u64 + i + 5,
-        });
-        serde_json::to_writer(&mut out, &envelope).expect("write");
-        out.write_all(b"\n").expect("write");
+        write_envelope(
+            &mut out,
+            Source {
+                db: "refract",
+                table: "customer_orders",
+                i,
+                tx: 1000 + i / 10,
+            },
+            "c",
+            serde_json::Value::Null,
+            json!({"id": format!("o{}", i + 1), "doc": doc, "updated_at": at(updated, Some((r >> 8) % 1_000_000))}),
+        );
     }
     out.flush().expect("flush");
+}
+
+/// Where an envelope's change happened: database, table, its number `i` in the file and its
+/// transaction id.
+struct Source {
+    db: &'static str,
+    table: &'static str,
+    i: u64,
+    tx: u64,
+}
+
+/// Writes one Debezium envelope line (PostgreSQL connector source block) to `out`.
+fn write_envelope(
+    out: &mut impl Write,
+    source: Source,
+    op: &str,
+    before: serde_json::Value,
+    after: serde_json::Value,
+) {
+    let Source { db, table, i, tx } = source;
+    let envelope = json!({
+        "before": before,
+        "after": after,
+        "op": op,
+        "source": {"version": "2.7.0.Final", "connector": "postgresql", "name": "bench", "ts_ms": 1_790_000_000_000u64 + i,
+                   "snapshot": "false", "db": db, "schema": "public", "table": table, "txId": tx, "lsn": 40_000_000 + i * 200},
+        "ts_ms": 1_790_000_000_000u64 + i + 5,
+    });
+    serde_json::to_writer(&mut *out, &envelope).expect("write");
+    out.write_all(b"\n").expect("write");
 }
 
 /// A deterministic xorshift64 stream from `seed`: the same file for the same arguments.

@@ -22,12 +22,7 @@ ids=${PRODUCT_IDS:-1000000}
 pg_url=${PG_URL:-postgres://postgres@127.0.0.1:5432/refract}
 work=${BENCH_DIR:-$(mktemp -d)}
 mkdir -p "$work"
-[ -x /usr/bin/time ] || { apt-get update -qq && apt-get install -y -qq time; }
-command -v pgbench >/dev/null || { apt-get update -qq && apt-get install -y -qq postgresql-contrib; }
-cargo build --release --locked -q -p refract -p refract-benches
-target=${CARGO_TARGET_DIR:-target}
-refract=$target/release/refract
-sql() { psql "$pg_url" -X -q -v ON_ERROR_STOP=1 -Atc "$1"; }
+pgbench_bench_setup
 cleanup() {
     sql "DROP SCHEMA IF EXISTS bench_upsert CASCADE" || true
     rm -rf "$work/state" "$work/summary.json" "$work/time" "$work/pgbench.sql"

@@ -67,21 +67,6 @@ fn fresh_schema(schema: &str) {
     ));
 }
 
-/// A small deterministic generator (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 const AUTHORS: u64 = 300;
 const BOOKS: u64 = 2_000;
 const NAMES: [&str; 8] = [
@@ -149,7 +134,7 @@ fn operation(rng: &mut Rng, schema: &str) -> String {
 /// rolled back); a short pause every `pause_every` transactions.
 fn workload(schema: &str, seed: u64, operations: u64, pause_every: u64) {
     let mut client = postgres::Client::connect(&url(), postgres::NoTls).unwrap();
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let mut done = 0;
     let mut transactions = 0u64;
     while done < operations {
@@ -293,7 +278,7 @@ fn documents_survive_sigkills_during_the_workload() {
     let schema = "docs_kill";
     let (_cleanup, _dir, pipeline) = seeded(schema);
     let writer = std::thread::spawn(move || workload(schema, 0xc0ffee, 50_000, 10));
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     let mut kills = 0;
     let mut runs = 0;
     while kills < 20 || !writer.is_finished() {
@@ -331,7 +316,7 @@ fn customers_keep_their_five_most_recent_orders_through_a_random_workload() {
     let pipeline = shipped_pipeline(dir.path(), "customer-orders", schema);
     catch_up(&pipeline);
     let mut client = postgres::Client::connect(&url(), postgres::NoTls).unwrap();
-    let mut rng = Rng(42);
+    let mut rng = Rng::new(42);
     for _ in 0..3_000 {
         let order = rng.below(2_500);
         let user = rng.below(120);

@@ -42,7 +42,6 @@ use refract_schemas::{ChangeEvent, Op, Position, TableId};
 
 use crate::state::StateStore;
 use crate::{Projection, ProjectionError, WriteOp};
-use mirror::CHUNK;
 use shape::{Shape, document_key};
 
 /// The document projection.
@@ -163,33 +162,24 @@ impl Projection for DocumentProjection {
     ) -> Result<(), ProjectionError> {
         self.store()?;
         let store = self.store.as_deref_mut().expect("checked above");
-        loop {
-            let mut marks = Vec::new();
-            store.scan_prefix(&[keys::DIRTY], &mut |k, _| {
-                marks.push(k.to_vec());
-                marks.len() < CHUNK
-            })?;
-            if marks.is_empty() {
-                return Ok(());
-            }
-            for mark in marks {
-                let id = keys::components(&mark[1..])?;
-                let key = document_key(&id);
-                out.push(match build::document(store, &self.shape, &id)? {
-                    Some(doc) => WriteOp::Upsert {
-                        collection: self.collection.clone(),
-                        key,
-                        doc: Arc::new(doc),
-                        position: position.clone(),
-                    },
-                    None => WriteOp::Delete {
-                        collection: self.collection.clone(),
-                        key,
-                        position: position.clone(),
-                    },
-                });
-                store.remove(&mark)?;
-            }
-        }
+        let (shape, collection) = (&self.shape, &self.collection);
+        mirror::drain_prefix(store, &[keys::DIRTY], &mut |store, mark| {
+            let id = keys::components(&mark[1..])?;
+            let key = document_key(&id);
+            out.push(match build::document(store, shape, &id)? {
+                Some(doc) => WriteOp::Upsert {
+                    collection: collection.clone(),
+                    key,
+                    doc: Arc::new(doc),
+                    position: position.clone(),
+                },
+                None => WriteOp::Delete {
+                    collection: collection.clone(),
+                    key,
+                    position: position.clone(),
+                },
+            });
+            Ok(store.remove(mark)?)
+        })
     }
 }

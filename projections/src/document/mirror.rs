@@ -16,7 +16,29 @@ use crate::state::{StateError, StateStore};
 
 /// Rows removed per pass of a truncate, and dirty documents rebuilt per pass: bounds what is
 /// held in memory between two scans of the store.
-pub(super) const CHUNK: usize = 512;
+const CHUNK: usize = 512;
+
+/// Hands every key under `prefix` to `each`, [`CHUNK`] keys per scan of the store. `each` must
+/// remove the key it is given (or the scans never end).
+pub(super) fn drain_prefix(
+    store: &mut dyn StateStore,
+    prefix: &[u8],
+    each: &mut dyn FnMut(&mut dyn StateStore, &[u8]) -> Result<(), ProjectionError>,
+) -> Result<(), ProjectionError> {
+    loop {
+        let mut keys = Vec::new();
+        store.scan_prefix(prefix, &mut |k, _| {
+            keys.push(k.to_vec());
+            keys.len() < CHUNK
+        })?;
+        if keys.is_empty() {
+            return Ok(());
+        }
+        for key in keys {
+            each(store, &key)?;
+        }
+    }
+}
 
 /// A row's id: its key values as text.
 pub(super) type Id = Vec<String>;
@@ -98,34 +120,14 @@ pub(super) fn apply(
 fn truncate(store: &mut dyn StateStore, shape: &Shape, t: u8) -> Result<(), ProjectionError> {
     let root = t == shape.root;
     let prefix = keys::mirror_prefix(t);
-    loop {
-        let mut ids = Vec::new();
-        store.scan_prefix(&prefix, &mut |k, _| {
-            ids.push(k[prefix.len()..].to_vec());
-            ids.len() < CHUNK
-        })?;
-        if ids.is_empty() {
-            break;
-        }
-        for id in ids {
-            let id = keys::components(&id)?;
-            change(store, shape, t, &id, None, !root)?;
-        }
-    }
+    drain_prefix(store, &prefix, &mut |store, key| {
+        let id = keys::components(&key[prefix.len()..])?;
+        change(store, shape, t, &id, None, !root)
+    })?;
     if root {
-        loop {
-            let mut marks = Vec::new();
-            store.scan_prefix(&[keys::DIRTY], &mut |k, _| {
-                marks.push(k.to_vec());
-                marks.len() < CHUNK
-            })?;
-            if marks.is_empty() {
-                break;
-            }
-            for mark in marks {
-                store.remove(&mark)?;
-            }
-        }
+        drain_prefix(store, &[keys::DIRTY], &mut |store, mark| {
+            Ok(store.remove(mark)?)
+        })?;
     }
     Ok(())
 }

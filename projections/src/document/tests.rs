@@ -9,60 +9,11 @@ use super::*;
 use crate::state::MemoryStore;
 use crate::test_support::event;
 
-/// The author and book documents, and customers with their five most recent orders.
-pub(super) const PIPELINE: &str = r#"
-[pipeline]
-name = "authors-books"
-
-[source]
-kind = "file"
-path = "changes.jsonl"
-
-[sinks.target]
-kind = "null"
-
-[projections.author_docs]
-kind = "document"
-table = "public.authors"
-sinks = ["target"]
-fields = [
-  { name = "id", from = "id" },
-  { name = "firstName", from = "first_name" },
-  { name = "lastName", from = "last_name" },
-]
-
-[[projections.author_docs.embeds]]
-name = "books"
-table = "public.books"
-through = { table = "public.book_authors", parent = "author_id", child = "book_id" }
-ids = true
-count = "countOfBooks"
-
-[[projections.author_docs.objects]]
-name = "images"
-items = [
-  { name = "thumbnail", from = "thumbnail_url" },
-  { name = "profile", from = "profile_url" },
-  { name = "large", from = "large_url" },
-]
-
-[projections.book_docs]
-kind = "document"
-table = "public.books"
-sinks = ["target"]
-fields = [{ name = "id", from = "id" }, { name = "name", from = "name" }]
-
-[[projections.book_docs.embeds]]
-name = "authors"
-table = "public.authors"
-through = { table = "public.book_authors", parent = "book_id", child = "author_id" }
-order_by = ["through.position", "id"]
-fields = [
-  { name = "id", from = "id" },
-  { name = "name", from = "{first_name} {last_name}" },
-  { name = "thumbnailUrl", from = "thumbnail_url" },
-]
-
+/// The shipped author and book documents (`pipelines/authors-books.toml`), and customers with
+/// their five most recent orders.
+pub(super) const PIPELINE: &str = concat!(
+    include_str!("../../../pipelines/authors-books.toml"),
+    r#"
 [projections.customer_docs]
 kind = "document"
 table = "public.customers"
@@ -77,7 +28,8 @@ order_by = ["-created_at"]
 limit = 5
 count = "orderCount"
 fields = [{ name = "id", from = "id" }, { name = "total", from = "total_cents" }]
-"#;
+"#
+);
 
 /// The configuration of projection `name` in [`PIPELINE`].
 pub(super) fn config(name: &str) -> DocumentProjectionConfig {

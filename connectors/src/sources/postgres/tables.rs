@@ -49,15 +49,9 @@ impl TableReader {
     pub async fn estimate(&self, table: &str) -> Result<u64, SourceError> {
         let (schema, name) = table.split_once('.').unwrap_or(("public", table));
         let quoted = format!("{}.{}", quote_ident(schema), quote_ident(name));
-        let row = self
-            .client
-            .query_one(
-                "SELECT reltuples::int8 FROM pg_class WHERE oid = $1::text::regclass",
-                &[&quoted],
-            )
-            .await
-            .map_err(io(format!("cannot estimate the rows of {table}")))?;
-        Ok(row.get::<_, i64>(0).max(0) as u64)
+        Ok(super::snapshot::planner_estimate(&self.client, &quoted)
+            .await?
+            .unwrap_or(0))
     }
 
     /// The rows of `table` (`schema.table`) as read events; returns how many.

@@ -337,16 +337,10 @@ async fn plan_copy(
         );
         if kind == CopyKind::Snapshot {
             // A backfill's chunk progress has its estimates already.
-            let estimate: i64 = client
-                .query_one(
-                    "SELECT reltuples::int8 FROM pg_class WHERE oid = $1::text::regclass",
-                    &[&shape.quoted],
-                )
-                .await
-                .map_or(0, |r| r.get(0));
+            let estimate = super::planner_estimate(&client, &shape.quoted).await?;
             progress
                 .total
-                .fetch_add(estimate.max(0) as u64, std::sync::atomic::Ordering::Relaxed);
+                .fetch_add(estimate.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
         }
         state.tables.push(note(None));
         copy_tables.push(CopyTable {

@@ -253,17 +253,8 @@ impl Chunker {
     }
 
     async fn estimate(&self, quoted: &str) -> Result<u64, SourceError> {
-        let row = self
-            .client
-            .query_one(
-                "SELECT reltuples::int8 FROM pg_class WHERE oid = $1::text::regclass",
-                &[&quoted],
-            )
-            .await
-            .map_err(io(format!("cannot estimate the rows of {quoted}")))?;
-        let estimate: i64 = row.get(0);
-        if estimate >= 0 {
-            return Ok(estimate as u64);
+        if let Some(estimate) = planner_estimate(&self.client, quoted).await? {
+            return Ok(estimate);
         }
         // Never analyzed: count.
         let row = self
@@ -426,6 +417,23 @@ async fn table_shape(
         key: key.into_iter().map(|(_, c, t)| (c, t)).collect(),
         columns: out,
     })
+}
+
+/// The planner's estimate of the rows of table `quoted` (quoted `schema.table`); `None` when
+/// it was never analyzed.
+pub(crate) async fn planner_estimate(
+    client: &tokio_postgres::Client,
+    quoted: &str,
+) -> Result<Option<u64>, SourceError> {
+    let row = client
+        .query_one(
+            "SELECT reltuples::int8 FROM pg_class WHERE oid = $1::text::regclass",
+            &[&quoted],
+        )
+        .await
+        .map_err(io(format!("cannot estimate the rows of {quoted}")))?;
+    let estimate: i64 = row.get(0);
+    Ok((estimate >= 0).then_some(estimate as u64))
 }
 
 /// `schema.table` of every table of the publication, sorted.
