@@ -91,6 +91,60 @@ fn order(id: &str, customer: u32, items: usize, extra: Value) -> Value {
     json!({"id": id, "doc": doc.to_string(), "updated_at": "2026-09-22T10:31:00.000000Z"})
 }
 
+/// Runs the shipped flatten sections over the change log `log` (file source, `max_events` per
+/// batch, `sink_extra` lines in the sink section) into `out`, with its state under `dir`, to
+/// the end; returns the pipeline file.
+fn run_from_file(
+    dir: &Path,
+    log: &Path,
+    out: &Path,
+    max_events: usize,
+    sink_extra: &str,
+) -> std::path::PathBuf {
+    let pipeline = dir.join("p.toml");
+    std::fs::write(
+        &pipeline,
+        format!(
+            "[pipeline]\nname = \"flat\"\nstate_dir = \"{}\"\n[pipeline.batch]\nmax_events = {max_events}\n\
+             [source]\nkind = \"file\"\npath = \"{}\"\nfollow = false\n{}",
+            dir.join("state").display(),
+            log.display(),
+            flatten_sections("customer_orders", out, sink_extra)
+        ),
+    )
+    .unwrap();
+    let run = output(refract().arg("run").arg(&pipeline));
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    pipeline
+}
+
+/// After a replay: no change is in the change log twice, and the current state of every table
+/// is the first run's.
+fn assert_replayed_once(first: &Value, replayed: &Value) {
+    for t in ["orders", "customers", "order_items"] {
+        assert_eq!(
+            replayed["tables"][t]["duplicate_changes"], 0,
+            "{t}: a change written twice"
+        );
+        assert_eq!(
+            sorted_rows(&replayed["tables"][t]["current"]),
+            sorted_rows(&first["tables"][t]["current"]),
+            "{t}"
+        );
+    }
+}
+
+/// A current state's rows as sorted JSON texts, to compare states row for row.
+fn sorted_rows(v: &Value) -> Vec<String> {
+    let mut rows: Vec<String> = v.as_array().unwrap().iter().map(Value::to_string).collect();
+    rows.sort();
+    rows
+}
+
 fn rows_by(table: &Value, key: &str) -> BTreeMap<String, Value> {
     table["current"]
         .as_array()
@@ -150,24 +204,7 @@ fn flattened_tables_read_back_with_pyarrow_and_a_type_conflict_is_dead_lettered(
         envelope("c", "o6", None, Some(order("o6", 4, 4, json!({}))), 80),
     ];
     write_lines(&log, &lines);
-    let pipeline = dir.path().join("p.toml");
-    std::fs::write(
-        &pipeline,
-        format!(
-            "[pipeline]\nname = \"flat\"\nstate_dir = \"{}\"\n[pipeline.batch]\nmax_events = 3\n\
-             [source]\nkind = \"file\"\npath = \"{}\"\nfollow = false\n{}",
-            dir.path().join("state").display(),
-            log.display(),
-            flatten_sections("customer_orders", &out, "")
-        ),
-    )
-    .unwrap();
-    let run = output(refract().arg("run").arg(&pipeline));
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    let pipeline = run_from_file(dir.path(), &log, &out, 3, "");
 
     let result = read_back(&out);
     assert_eq!(
@@ -278,11 +315,6 @@ fn flattened_tables_read_back_with_pyarrow_and_a_type_conflict_is_dead_lettered(
     );
 
     // Compaction again from the change log alone gives the same current state, row for row.
-    let sorted = |v: &Value| {
-        let mut rows: Vec<String> = v.as_array().unwrap().iter().map(Value::to_string).collect();
-        rows.sort();
-        rows
-    };
     let before = tables.clone();
     for t in ["orders", "customers", "order_items"] {
         std::fs::remove_dir_all(out.join(t).join("current")).unwrap();
@@ -296,11 +328,119 @@ fn flattened_tables_read_back_with_pyarrow_and_a_type_conflict_is_dead_lettered(
     let again = read_back(&out);
     for t in ["orders", "customers", "order_items"] {
         assert_eq!(
-            sorted(&again["tables"][t]["current"]),
-            sorted(&before[t]["current"]),
+            sorted_rows(&again["tables"][t]["current"]),
+            sorted_rows(&before[t]["current"]),
             "{t}"
         );
     }
+}
+
+/// Files published by a run that left no checkpoint (killed before its first, or its state
+/// deleted) are rewritten by the replay, not left beside it: the replay's batches end elsewhere,
+/// so its files have other names.
+#[test]
+fn a_replay_without_a_checkpoint_does_not_write_changes_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let log = dir.path().join("changes.jsonl");
+    let lines: Vec<String> = (0..40u64)
+        .map(|i| {
+            let id = format!("o{}", i % 15);
+            match i % 7 {
+                6 => envelope("d", &id, Some(json!({"id": id})), None, 10 * (i + 1)),
+                _ => envelope(
+                    "c",
+                    &id,
+                    None,
+                    Some(order(&id, (i % 4) as u32, (i % 3 + 1) as usize, json!({}))),
+                    10 * (i + 1),
+                ),
+            }
+        })
+        .collect();
+    write_lines(&log, &lines);
+    // A file per batch: the file names follow the batches.
+    let run = |max_events: usize| {
+        run_from_file(dir.path(), &log, &out, max_events, "roll_rows = 1");
+        read_back(&out)
+    };
+    let first = run(7);
+    std::fs::remove_dir_all(dir.path().join("state")).unwrap();
+    let replayed = run(5);
+    assert_replayed_once(&first, &replayed);
+    // The replay's files replaced the first run's, which ended at other positions.
+    let names = |r: &Value| -> BTreeSet<String> {
+        r["tables"]["orders"]["changes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["path"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_ne!(names(&first), names(&replayed));
+}
+
+/// The same from PostgreSQL: files published past the slot's confirmed position by a run whose
+/// checkpoint is gone are rewritten by the replay from that position. The slot is put back to
+/// where it was before the first run with a copy made then (what a kill between publishing and
+/// the first checkpoint leaves: files, no checkpoint, a slot that never moved).
+#[test]
+fn a_replay_from_the_slot_without_a_checkpoint_does_not_write_changes_twice() {
+    let name = "pq_replay";
+    let _cleanup = Cleanup::new(name, &[name]);
+    let _saved = Cleanup::new(&format!("{name}_saved"), &[]);
+    psql(&format!(
+        "CREATE TABLE public.{name} (id text PRIMARY KEY, doc jsonb NOT NULL, updated_at timestamptz NOT NULL DEFAULT now())"
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let pipeline = dir.path().join("p.toml");
+    let write_pipeline = |max_events: usize| {
+        std::fs::write(
+            &pipeline,
+            format!(
+                "[pipeline]\nname = \"{name}\"\nstate_dir = \"{}\"\n[pipeline.batch]\nmax_events = {max_events}\n\
+                 [source]\nkind = \"postgres\"\nurl = \"{}\"\ntables = [\"public.{name}\"]\n{}",
+                dir.path().join("state").display(),
+                pg_url(),
+                flatten_sections(name, &out, "roll_rows = 1")
+            ),
+        )
+        .unwrap();
+    };
+    write_pipeline(13);
+    catch_up(&pipeline);
+    psql(&format!(
+        "SELECT pg_copy_logical_replication_slot('refract_{name}', 'refract_{name}_saved')"
+    ));
+    for i in 0..30 {
+        let doc = order(&format!("o{i}"), i % 4, (i % 3 + 1) as usize, json!({}))["doc"]
+            .as_str()
+            .unwrap()
+            .replace('\'', "''");
+        psql(&format!(
+            "BEGIN; INSERT INTO public.{name} (id, doc) VALUES ('o{i}', '{doc}'), ('p{i}', '{doc}'); COMMIT;"
+        ));
+    }
+    catch_up(&pipeline);
+    let first = read_back(&out);
+    psql(&format!(
+        "SELECT pg_drop_replication_slot('refract_{name}');
+         SELECT pg_copy_logical_replication_slot('refract_{name}_saved', 'refract_{name}');
+         SELECT pg_drop_replication_slot('refract_{name}_saved');"
+    ));
+    std::fs::remove_dir_all(dir.path().join("state")).unwrap();
+    write_pipeline(3);
+    catch_up(&pipeline);
+    let replayed = read_back(&out);
+    assert_replayed_once(&first, &replayed);
+    assert_eq!(
+        replayed["tables"]["orders"]["current"]
+            .as_array()
+            .unwrap()
+            .len(),
+        60
+    );
 }
 
 /// The orders and their items as PostgreSQL holds them: order id → (status, total, items).

@@ -196,6 +196,15 @@ pub trait Source: Send {
         durable: watch::Receiver<Checkpoint>,
     ) -> Result<(), SourceError>;
 
+    /// Once started: where the source resumes each partition the checkpoint does not name
+    /// (a file read again from its start, a replication slot from its confirmed position), as
+    /// the offset just before the first change it will hand out again. Sinks that published
+    /// past the checkpoint (Parquet files named by position) drop what the replay rewrites;
+    /// without it, a run killed before its first checkpoint would leave them twice.
+    fn resumes_unnamed(&self) -> Checkpoint {
+        Checkpoint::new()
+    }
+
     /// The next items in source order, `None` once caught up (in [`ReadMode::UntilCaughtUp`]) or
     /// stopped. Must be cancel-safe: the runtime polls it inside `select!` and drops the future
     /// when another branch wins, which must lose nothing.

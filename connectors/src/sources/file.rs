@@ -65,6 +65,11 @@ impl FileSource {
 
 #[async_trait]
 impl Source for FileSource {
+    fn resumes_unnamed(&self) -> Checkpoint {
+        // Without a checkpoint the file is read from its first byte.
+        Checkpoint::from([(self.partition.to_string(), Offset(0, 0))])
+    }
+
     async fn start(
         &mut self,
         checkpoint: &Checkpoint,

@@ -282,6 +282,27 @@ pub async fn run(
             }
         });
     }
+    // The checkpointer commits the newest acknowledged checkpoint, coalescing bursts.
+    let (cp_tx, cp_rx) = watch::channel(resumed.clone());
+    let (durable_tx, durable_rx) = watch::channel(resumed.clone());
+    let checkpointer = tokio::spawn(checkpointer(store.clone(), cp_rx, durable_tx));
+
+    let context = SourceContext {
+        pipeline: config.pipeline.name.clone(),
+        state_dir: state_path(config),
+        backfill: options.backfill.clone(),
+    };
+    let mut source = registry::build_source(&config.source, context);
+    let durable = durable_rx.clone();
+    source.start(&resumed, options.mode, durable_rx).await?;
+    // Sinks that publish ahead of the checkpoint (Parquet files) drop what the replay rewrites,
+    // also in partitions the checkpoint does not name yet: a first run killed before its first
+    // checkpoint left files that the source now hands out again.
+    let mut sink_resume = resumed.clone();
+    for (partition, offset) in source.resumes_unnamed() {
+        sink_resume.entry(partition).or_insert(offset);
+    }
+
     let (ack_tx, ack_rx) = mpsc::unbounded_channel();
     let mut job_txs = Vec::with_capacity(targets.len());
     let mut tasks = Vec::with_capacity(targets.len());
@@ -295,7 +316,7 @@ pub async fn run(
         let task = tokio::spawn(delivery::run(
             index,
             target,
-            resumed.clone(),
+            sink_resume.clone(),
             rx,
             ack_tx.clone(),
             stop_tasks.subscribe(),
@@ -326,20 +347,6 @@ pub async fn run(
         }));
     }
     drop(ack_tx);
-
-    // The checkpointer commits the newest acknowledged checkpoint, coalescing bursts.
-    let (cp_tx, cp_rx) = watch::channel(resumed.clone());
-    let (durable_tx, durable_rx) = watch::channel(resumed.clone());
-    let checkpointer = tokio::spawn(checkpointer(store.clone(), cp_rx, durable_tx));
-
-    let context = SourceContext {
-        pipeline: config.pipeline.name.clone(),
-        state_dir: state_path(config),
-        backfill: options.backfill.clone(),
-    };
-    let mut source = registry::build_source(&config.source, context);
-    let durable = durable_rx.clone();
-    source.start(&resumed, options.mode, durable_rx).await?;
 
     let mut processor = Processor {
         store: store.clone(),

@@ -76,6 +76,9 @@ pub struct PostgresSource {
     chunks: Option<Arc<ChunkProgress>>,
     /// The task reading the stream (awaited by `finish`).
     reader: Option<tokio::task::JoinHandle<()>>,
+    /// Set at start without a checkpoint: the slot's confirmed position (see
+    /// [`Source::resumes_unnamed`]).
+    resumes_unnamed: Checkpoint,
 }
 
 impl PostgresSource {
@@ -94,6 +97,7 @@ impl PostgresSource {
             stop: Arc::new(watch::channel(false).0),
             chunks: None,
             reader: None,
+            resumes_unnamed: Checkpoint::new(),
         }
     }
 
@@ -140,6 +144,10 @@ pub(crate) async fn connect(url: &str) -> Result<tokio_postgres::Client, SourceE
 
 #[async_trait]
 impl Source for PostgresSource {
+    fn resumes_unnamed(&self) -> Checkpoint {
+        self.resumes_unnamed.clone()
+    }
+
     async fn start(
         &mut self,
         checkpoint: &Checkpoint,
@@ -223,6 +231,18 @@ impl Source for PostgresSource {
                 let wal_status: String = row.get(1);
                 if wal_status == "lost" {
                     return Err(slot_lost(&self.slot));
+                }
+                // Without a checkpoint the stream resumes at the slot's confirmed position: a
+                // transaction committed at or after it comes again, one before it does not.
+                let confirmed: Option<String> = row.get(0);
+                if let (None, Some(confirmed)) = (resume, confirmed) {
+                    let confirmed = parse_lsn(&confirmed)?;
+                    if confirmed > 0 {
+                        self.resumes_unnamed = Checkpoint::from([(
+                            self.partition.to_string(),
+                            Offset(confirmed - 1, u64::MAX),
+                        )]);
+                    }
                 }
             }
             None if self.config.create && self.config.snapshot == SnapshotMode::Initial => {
