@@ -202,11 +202,7 @@ impl Projection for CacheInvalidationProjection {
                     Err(RenderError::Null(_)) => {}
                 },
                 (None, Op::Update) => {
-                    let key_columns = event.key.as_deref();
-                    let only_key = t
-                        .columns()
-                        .iter()
-                        .all(|c| key_columns.is_some_and(|k| k.contains_key(*c)));
+                    let only_key = t.columns().iter().all(|c| event.is_key_column(c));
                     if !only_key {
                         unknown.push(format!(
                             "`{}` reads non-key columns and the update carries no old row",

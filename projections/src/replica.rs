@@ -104,6 +104,17 @@ impl ReplicaProjection {
 
     /// The document key of `row`: the record key if any, else the key columns.
     fn key(rule: &TableRule, event: &ChangeEvent, row: &Row) -> Result<String, ProjectionError> {
+        // One key column of the row (a snapshot read of a table with a one-column primary key,
+        // the usual case): its value directly, without collecting the values first.
+        if let (None, Some([column])) = (&event.key, event.key_columns.as_deref()) {
+            return match row.get(column.as_str()) {
+                Some(v) if !v.is_null() => Ok(render_key(std::iter::once(v))),
+                _ => Err(ProjectionError::MissingKey {
+                    table: event.table.to_string(),
+                    column: column.clone(),
+                }),
+            };
+        }
         Ok(render_key(
             key_values(event, row, &rule.key_columns)?.into_iter(),
         ))
@@ -111,14 +122,22 @@ impl ReplicaProjection {
 }
 
 /// The values that identify the row of `event`: the record key's (in its own order) when the
-/// source provides one (a Kafka key), else the `columns` of `row`, which must all be non-null.
+/// source provides one (a Kafka key, a table's primary key), else the `columns` of `row`, which
+/// must all be non-null.
 pub(crate) fn key_values<'a>(
     event: &'a ChangeEvent,
     row: &'a Row,
     columns: &[String],
 ) -> Result<Vec<&'a Value>, ProjectionError> {
-    if let Some(key) = event.key.as_deref().filter(|k| !k.is_empty()) {
-        return Ok(key.values().collect());
+    match event.key_values(row) {
+        Some(Ok(values)) => return Ok(values),
+        Some(Err(column)) => {
+            return Err(ProjectionError::MissingKey {
+                table: event.table.to_string(),
+                column: column.to_owned(),
+            });
+        }
+        None => {}
     }
     let mut values = Vec::with_capacity(columns.len());
     for column in columns {
@@ -213,7 +232,7 @@ impl Projection for ReplicaProjection {
                     .as_ref()
                     .ok_or_else(|| ProjectionError::Invalid("no after image".into()))?;
                 let key = Self::key(rule, event, after)?;
-                if event.op == Op::Update && event.key.is_none() {
+                if event.op == Op::Update && event.key.is_none() && event.key_columns.is_none() {
                     if let Some(before) = event.before.as_deref() {
                         // A before image without the key columns (replica identity DEFAULT
                         // sends only changed keys) cannot have moved the key.

@@ -203,8 +203,14 @@ pub struct ChangeEvent {
     pub table: TableId,
     /// What happened.
     pub op: Op,
-    /// The record key (Kafka key / primary key columns) when the source provides one.
+    /// The record key (Kafka key / primary key columns) when the source provides one as an
+    /// image of its own.
     pub key: Option<Arc<Row>>,
+    /// The names of the key columns, sorted (the order a key image iterates in), when the key is
+    /// not given as an image but is those columns of the row image: a row read by a snapshot,
+    /// whose `after` holds them all. Shared by the events of a table, so reading millions of
+    /// rows does not build a key map for each. At most one of `key` and `key_columns` is set.
+    pub key_columns: Option<Arc<[String]>>,
     /// The row before the change (updates with enough replica identity, deletes).
     pub before: Option<Arc<Row>>,
     /// The row after the change (creates, updates, snapshot reads).
@@ -215,6 +221,37 @@ pub struct ChangeEvent {
     pub transaction: Option<TxInfo>,
     /// Where the event sits in its source partition.
     pub position: Position,
+}
+
+impl ChangeEvent {
+    /// The values of the record key in `row` (an image of this event), in key-column-name order:
+    /// the key image's own values when there is one, else the [`ChangeEvent::key_columns`] of
+    /// `row`. `None` when the event names no key; `Some(Err(column))` when `row` lacks a key
+    /// column or holds null in it.
+    pub fn key_values<'a>(&'a self, row: &'a Row) -> Option<Result<Vec<&'a Value>, &'a str>> {
+        if let Some(key) = self.key.as_deref().filter(|k| !k.is_empty()) {
+            return Some(Ok(key.values().collect()));
+        }
+        let columns = self.key_columns.as_deref().filter(|c| !c.is_empty())?;
+        Some(
+            columns
+                .iter()
+                .map(|c| match row.get(c.as_str()) {
+                    Some(v) if !v.is_null() => Ok(v),
+                    _ => Err(c.as_str()),
+                })
+                .collect(),
+        )
+    }
+
+    /// Whether `column` is a key column, as far as the event tells.
+    pub fn is_key_column(&self, column: &str) -> bool {
+        self.key.as_deref().is_some_and(|k| k.contains_key(column))
+            || self
+                .key_columns
+                .as_deref()
+                .is_some_and(|c| c.iter().any(|k| k == column))
+    }
 }
 
 /// BEGIN or END of a source transaction (Debezium's transaction metadata).

@@ -421,6 +421,7 @@ fn build(
         table,
         op,
         key: None,
+        key_columns: None,
         before: before.map(Arc::new),
         after: after.map(Arc::new),
         source: SourceInfo {

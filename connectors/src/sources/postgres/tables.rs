@@ -96,6 +96,7 @@ impl TableReader {
                 table: id.clone(),
                 op: Op::Read,
                 key: (!key.is_empty()).then(|| Arc::new(key)),
+                key_columns: None,
                 before: None,
                 after: Some(Arc::new(row)),
                 source: Default::default(),

@@ -25,7 +25,7 @@ impl Reader {
             };
             let names: Vec<String> = t.columns.iter().map(|(c, _)| c.clone()).collect();
             let types: Vec<u32> = t.columns.iter().map(|(_, o)| *o).collect();
-            let shape = RowShape::new(&names, &types, &t.key);
+            let mut shape = RowShape::new(&names, &types, &t.key);
             let stream = copy.copy_out(index).await?;
             futures::pin_mut!(stream);
             // Bytes of a line that a message left unfinished (PostgreSQL sends one row per
@@ -100,6 +100,7 @@ impl Reader {
                         self.flush(out).await?;
                         // New copies for the next chunk, as `flush` makes of the other names.
                         table = TableId::new(&table.schema, &table.name);
+                        shape.renew();
                     }
                     if *stop.borrow() {
                         self.flush(out).await?;
@@ -172,14 +173,15 @@ impl Reader {
             };
             converted.push(v);
         }
-        let (after, key) = shape.rows(&mut converted);
+        let after = shape.row(&mut converted);
         self.row_values = converted;
         let seq = position.offset.1;
         self.chunk.push(SourceItem {
             record: Ok(Record::Change(ChangeEvent {
                 table: table.clone(),
                 op: Op::Read,
-                key: key.map(Arc::new),
+                key: None,
+                key_columns: shape.key_columns.clone(),
                 before: None,
                 after: Some(Arc::new(after)),
                 source: SourceInfo {
@@ -558,6 +560,7 @@ impl Reader {
             table,
             op,
             key: key.filter(|k| !k.is_empty()).map(Arc::new),
+            key_columns: None,
             before: before.map(Arc::new),
             after: after.map(Arc::new),
             source: SourceInfo {
@@ -638,10 +641,9 @@ pub(super) struct RowShape {
     /// For each entry of `template` in map order, the index of its value among the columns
     /// (the last of equal names, as building a map from the pairs keeps).
     order: Vec<usize>,
-    /// The key columns found among the columns, with null values.
-    key_template: Row,
-    /// For each entry of `key_template` in map order, the index of its value.
-    key_order: Vec<usize>,
+    /// The key columns found among the columns, sorted (as a key image would iterate them);
+    /// `None` without any. Every event of the shape shares them: `after` holds their values.
+    key_columns: Option<Arc<[String]>>,
 }
 
 impl RowShape {
@@ -658,43 +660,36 @@ impl RowShape {
             .map(|c| ((*c).to_owned(), Value::Null))
             .collect();
         let order = index.values().copied().collect();
-        let key_template: Row = key
+        let key_columns: std::collections::BTreeSet<&String> = key
             .iter()
             .filter(|c| index.contains_key(c.as_str()))
-            .map(|c| (c.clone(), Value::Null))
             .collect();
-        let key_order = key_template
-            .keys()
-            .filter_map(|c| index.get(c.as_str()).copied())
-            .collect();
+        let key_columns =
+            (!key_columns.is_empty()).then(|| key_columns.into_iter().cloned().collect());
         Self {
             types: types[..count].to_vec(),
             template,
             order,
-            key_template,
-            key_order,
+            key_columns,
         }
     }
 
-    /// The row and its key (none without key columns) from the converted values, one per
-    /// column converted (as [`Self::types`]); takes the values out of `values`.
-    fn rows(&self, values: &mut [Value]) -> (Row, Option<Row>) {
-        let key = (!self.key_template.is_empty()).then(|| {
-            let mut key = self.key_template.clone();
-            for (slot, &i) in key.values_mut().zip(&self.key_order) {
-                if let Some(v) = values.get(i) {
-                    *slot = v.clone();
-                }
-            }
-            key
-        });
+    /// New copies of the shared key column names: the events of the previous chunk are dropped
+    /// on another thread, and one reference count written by both would bounce between them.
+    pub(super) fn renew(&mut self) {
+        self.key_columns = self.key_columns.as_deref().map(Arc::from);
+    }
+
+    /// The row from the converted values, one per column converted (as [`Self::types`]); takes
+    /// the values out of `values`.
+    fn row(&self, values: &mut [Value]) -> Row {
         let mut row = self.template.clone();
         for (slot, &i) in row.values_mut().zip(&self.order) {
             if let Some(v) = values.get_mut(i) {
                 *slot = std::mem::take(v);
             }
         }
-        (row, key)
+        row
     }
 }
 
@@ -752,14 +747,34 @@ mod tests {
             let shape = RowShape::new(&columns, &types, &key);
             let mut converted: Vec<Value> =
                 values.iter().take(shape.types.len()).cloned().collect();
-            let (row, shaped_key) = shape.rows(&mut converted);
+            let row = shape.row(&mut converted);
             let (want_row, want_key) = by_pairs(&columns, &types, &key, &values);
             assert_eq!(row, want_row, "{columns:?} {types:?}");
+            // The key an event of this shape names is the key that was built from the pairs.
+            let event = ChangeEvent {
+                table: TableId::new("public", "t"),
+                op: Op::Read,
+                key: None,
+                key_columns: shape.key_columns.clone(),
+                before: None,
+                after: Some(Arc::new(row.clone())),
+                source: SourceInfo::default(),
+                transaction: None,
+                position: Position {
+                    partition: "p".into(),
+                    offset: Offset(1, 1),
+                },
+            };
+            let named: Vec<&Value> = event
+                .key_values(&row)
+                .map(|k| k.expect("key columns present"))
+                .unwrap_or_default();
             assert_eq!(
-                shaped_key.unwrap_or_default(),
-                want_key,
+                named,
+                want_key.values().collect::<Vec<_>>(),
                 "{columns:?} {key:?}"
             );
+            assert!(want_key.keys().all(|k| event.is_key_column(k)));
         }
     }
 

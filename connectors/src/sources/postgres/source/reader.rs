@@ -172,7 +172,7 @@ impl Reader {
                 .await;
             match confirmed {
                 Ok(Some(row)) if row.get::<_, Option<bool>>(0) == Some(true) => return,
-                Ok(Some(_)) => tokio::time::sleep(Duration::from_millis(50)).await,
+                Ok(Some(_)) => tokio::time::sleep(FINAL_CONFIRM_POLL).await,
                 _ => return,
             }
         }
