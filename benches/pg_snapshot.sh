@@ -6,8 +6,9 @@
 # snapshot and reads the table with COPY before streaming (what a first `refract run` does).
 # BACKFILL=1 times `refract backfill` instead, with no daemon running: it runs the pipeline itself
 # and reads the table from a temporary slot's exported snapshot (COPY) into its stream.
-# BACKFILL=daemon times the backfill while a daemon streams the pipeline: chunks through the WAL
-# (what a re-read beside a daemon, or the rest of an interrupted initial snapshot, does).
+# BACKFILL=daemon times `refract backfill` while a daemon streams the pipeline: the backfill asks
+# the daemon, which reads a temporary slot's exported snapshot (COPY) into its own stream; the
+# time ends when the rows are durable (the backfill process has followed them).
 # Prints `refract rows/s / COPY rows/s = ratio` and refract's peak RSS.
 #
 # Usage: benches/pg_snapshot.sh [ROWS]   (default 1000000; PG_URL as in the environment contract)
@@ -66,20 +67,26 @@ snapshot() {
         RUST_LOG=warn "$refract" run "$work/never.toml" --until-caught-up >/dev/null
         local daemon=""
         if [ "$BACKFILL" = daemon ]; then
-            RUST_LOG=warn "$refract" run "$work/never.toml" >/dev/null 2>&1 &
+            # The daemon reads the rows: its peak RSS is the one printed.
+            RUST_LOG=warn /usr/bin/time -f '%M' -o "$work/rss" "$refract" run "$work/never.toml" >/dev/null 2>&1 &
             daemon=$!
             sleep 1
+            start=$(now)
+            RUST_LOG=warn "$refract" backfill "$work/never.toml" > "$work/backfill.out"
+        else
+            start=$(now)
+            RUST_LOG=warn /usr/bin/time -f '%M' -o "$work/rss" "$refract" backfill "$work/never.toml" > "$work/backfill.out"
         fi
-        start=$(now)
-        RUST_LOG=warn /usr/bin/time -f '%M' -o "$work/rss" "$refract" backfill "$work/never.toml" > "$work/backfill.out"
         python3 -c "import time; print(time.time() - $start)" >> "$work/refract_secs"
-        cat "$work/rss" >> "$work/rss_all"
         if [ -n "$daemon" ]; then
-            kill -TERM "$daemon"; wait "$daemon" || true
+            # `time` does not pass signals on: the daemon is its child.
+            pkill -TERM -P "$daemon"; wait "$daemon" || true
             grep -q "applied by the running daemon" "$work/backfill.out" || { cat "$work/backfill.out"; exit 1; }
+            grep -q "$rows rows" "$work/backfill.out" || { cat "$work/backfill.out"; exit 1; }
         else
             grep -q "r=$rows" "$work/backfill.out" || { cat "$work/backfill.out"; exit 1; }
         fi
+        cat "$work/rss" >> "$work/rss_all"
         return
     fi
     start=$(now)
@@ -110,7 +117,7 @@ r, c = rows / ref, rows / copy
 import os
 path = {
     "": "initial snapshot (exported snapshot + COPY)",
-    "daemon": "refract backfill beside a running daemon (chunks through the WAL; RSS is the backfill process's)",
+    "daemon": "refract backfill beside a running daemon (the daemon reads a temporary slot's exported snapshot with COPY into its stream; RSS is the daemon's)",
 }.get(os.environ.get("BACKFILL", ""), "refract backfill, no daemon (temporary slot's exported snapshot + COPY, read into the stream)")
 print("refract path: " + path)
 print(f"table: {rows} rows (id int, name text, qty int, price numeric, note text) (best of 2 rounds)")

@@ -586,13 +586,8 @@ fn backfill_while_the_daemon_streams_under_update_and_delete_load() {
     catch_up(&pipeline);
     assert!(read_output(&out).is_empty(), "nothing before the backfill");
 
-    let mut daemon = Running::spawn(
-        refract()
-            .arg("run")
-            .arg(&pipeline)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null()),
-    );
+    let log = dir.path().join("daemon.log");
+    let mut daemon = logged_daemon(&pipeline, &log);
     // 250 transactions/s of one update and one delete each: 500 changes/s, for longer than the
     // backfill takes (it is stopped when the backfill is done).
     let seconds = (10 + rows / 2_000) as u32;
@@ -610,12 +605,135 @@ fn backfill_while_the_daemon_streams_under_update_and_delete_load() {
     let load_running = stop_load(load);
     daemon.terminate();
     assert!(daemon.child().wait().unwrap().success());
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        log.contains("backfill read from its exported snapshot"),
+        "the daemon read the rows from an exported snapshot: {log}"
+    );
     assert_backfilled_under_load(
         name,
         rows,
         &pipeline,
         &out,
         "beside the daemon",
+        started.elapsed(),
+        load_running,
+    );
+    drop_slot(name);
+}
+
+/// `refract run` on `pipeline`, its JSON log at info level in `log`.
+fn logged_daemon(pipeline: &Path, log: &Path) -> Running {
+    Running::spawn(
+        refract()
+            .env("RUST_LOG", "info")
+            .args(["--log-format", "json", "run"])
+            .arg(pipeline)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log).unwrap()),
+    )
+}
+
+/// Waits until the backfill being read in `dir`'s state has noted a key it reached.
+fn wait_for_backfill_notes(dir: &Path, name: &str) {
+    let notes = dir.join(format!("state/{name}/backfill-copy.json"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_to_string(&notes).is_ok_and(|t| t.contains("\"marks\":[[")) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the backfill made no progress"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_backfill_asked_of_the_daemon_survives_sigkills_of_the_daemon() {
+    let name = "pg_backfill_kill";
+    let rows = size(60_000, 300_000);
+    filled_table(name, rows);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let pipeline = pipeline_file_with(dir.path(), name, &out, "snapshot = \"never\"");
+    catch_up(&pipeline);
+    let backfill_state = dir.path().join(format!("state/{name}/backfill.json"));
+    let load = update_delete_load(name, rows, 250, 120);
+
+    // 1. The daemon is killed halfway and started again: it resumes the backfill, and the
+    //    `refract backfill` following it sees it through.
+    let mut daemon = logged_daemon(&pipeline, &dir.path().join("daemon-1.log"));
+    std::thread::sleep(Duration::from_secs(2));
+    let asker = Running::spawn(
+        refract()
+            .arg("backfill")
+            .arg(&pipeline)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    wait_for_backfill_notes(dir.path(), name);
+    daemon.child().kill().unwrap();
+    daemon.child().wait().unwrap();
+    let noted = std::fs::read_to_string(&backfill_state).unwrap();
+    assert!(
+        noted.contains("\"complete\": false"),
+        "killed halfway: {noted}"
+    );
+    let log = dir.path().join("daemon-2.log");
+    let mut daemon = logged_daemon(&pipeline, &log);
+    let asked = asker.wait_with_output();
+    let stdout = String::from_utf8_lossy(&asked.stdout);
+    assert!(
+        asked.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&asked.stderr)
+    );
+    assert!(stdout.contains("applied by the running daemon"), "{stdout}");
+    assert!(stop_load(load), "the load ran throughout");
+    daemon.terminate();
+    assert!(daemon.child().wait().unwrap().success());
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        log.contains("resuming an interrupted"),
+        "the restarted daemon resumed: {log}"
+    );
+    catch_up(&pipeline);
+    assert_read_model(
+        &table_state(name),
+        &out,
+        "after the daemon resumed the backfill",
+    );
+
+    // 2. The daemon is killed and stays down: `refract backfill` finishes the rest itself.
+    let load = update_delete_load(name, rows, 250, 120);
+    let mut daemon = logged_daemon(&pipeline, &dir.path().join("daemon-3.log"));
+    std::thread::sleep(Duration::from_secs(2));
+    let started = std::time::Instant::now();
+    let asker = Running::spawn(
+        refract()
+            .arg("backfill")
+            .arg(&pipeline)
+            .arg("--restart")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    wait_for_backfill_notes(dir.path(), name);
+    daemon.child().kill().unwrap();
+    daemon.child().wait().unwrap();
+    let asked = asker.wait_with_output();
+    let stderr = String::from_utf8_lossy(&asked.stderr);
+    assert!(asked.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("applying the rest of the backfill in this one"),
+        "{stderr}"
+    );
+    let load_running = stop_load(load);
+    assert!(load_running, "the load ran throughout");
+    assert_backfilled_under_load(
+        name,
+        rows,
+        &pipeline,
+        &out,
+        "finished by `refract backfill` after the daemon was killed",
         started.elapsed(),
         load_running,
     );
@@ -689,7 +807,6 @@ fn backfill_without_a_daemon_resumes_and_re_reads_only_the_named_table() {
     let other_name = format!("{name}_other");
     let (_other_dir, _, other_pipeline) = setup(&other_name);
     // Kill the first backfill halfway (once it noted a key it reached); the second resumes it.
-    let progress_file = dir.path().join(format!("state/{name}/backfill-copy.json"));
     let mut first = Running::spawn(
         refract()
             .arg("backfill")
@@ -699,14 +816,7 @@ fn backfill_without_a_daemon_resumes_and_re_reads_only_the_named_table() {
             .stdout(Stdio::null())
             .stderr(Stdio::null()),
     );
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while !std::fs::read_to_string(&progress_file).is_ok_and(|t| t.contains("\"marks\":[[")) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the backfill made no progress"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_backfill_notes(dir.path(), name);
     let killed = first.child().try_wait().unwrap().is_none();
     first.child().kill().ok();
     first.child().wait().unwrap();

@@ -1,16 +1,19 @@
 //! `refract backfill`: re-reads existing rows into a pipeline's read models.
 //!
-//! When no daemon runs the pipeline, the backfill runs it itself until every chunk is applied
-//! (`run --until-caught-up` with the chunks read into its stream). When a daemon runs it (its
-//! state is locked), the backfill only reads the chunks into the WAL and waits until the daemon's
-//! slot has confirmed past the last one. Either way the chunks reach the read models in commit
-//! order with the live changes, so a row changed or deleted during the backfill ends as the
-//! source has it.
+//! The rows come from an exported snapshot read with COPY, and go into the pipeline's stream at
+//! the snapshot's consistent point: after every change the snapshot holds, before every change
+//! it does not, so a row changed or deleted during the backfill ends as the source has it.
+//! - When no daemon runs the pipeline, the backfill runs it itself (`run --until-caught-up` with
+//!   the rows read into its stream).
+//! - When a daemon runs it (its state is locked), only the daemon can put rows into its stream:
+//!   the backfill asks it to (see `snapshot::BackfillRequest`) and follows the daemon's notes
+//!   until the rows are durable, with a progress bar. If the daemon stops first, the backfill
+//!   finishes the rest itself.
 
 use std::time::{Duration, Instant};
 
 use refract_connectors::sources::postgres::snapshot;
-use refract_connectors::{BackfillScope, ReadMode, SourceContext, SourceError};
+use refract_connectors::{BackfillScope, ReadMode, SourceError};
 use refract_schemas::config::{LoadedPipeline, SourceConfig};
 use tokio::sync::watch;
 
@@ -19,9 +22,9 @@ use crate::runtime::{self, RunError, RunOptions, RunSummary, state_path};
 
 /// What a backfill did.
 pub enum Outcome {
-    /// This process applied the chunks itself.
+    /// This process read the rows into its own run.
     Ran(Box<RunSummary>),
-    /// A running daemon applied them.
+    /// The running daemon read them, as this process asked.
     ThroughDaemon {
         /// Rows read, per table.
         tables: Vec<(String, u64)>,
@@ -60,6 +63,8 @@ pub async fn run(
     };
     if !daemon_running {
         tracing::info!("no refract process runs this pipeline: applying the backfill in this one");
+        // A request left for a daemon that has not taken it: this run does the work instead.
+        snapshot::BackfillRequest::withdraw(&state)?;
         let summary = runtime::run(
             loaded,
             RunOptions {
@@ -73,44 +78,130 @@ pub async fn run(
         return Ok(Outcome::Ran(Box::new(summary)));
     }
 
-    tracing::info!(
-        "a refract process runs this pipeline: it applies the chunks this backfill reads"
-    );
-    let started = Instant::now();
-    let context = SourceContext {
-        pipeline: config.pipeline.name.clone(),
-        state_dir: state,
-        backfill: Some(scope),
-    };
-    let chunker = snapshot::standalone_backfill(pg, &context).await?;
-    let progress = chunker.progress();
-    let bar = runtime::rows_bar(progress.total.load(std::sync::atomic::Ordering::Relaxed));
-    let mut task = tokio::spawn(chunker.run());
-    let mut ticker = tokio::time::interval(Duration::from_millis(200));
-    let report = loop {
-        tokio::select! {
-            result = &mut task => break result.expect("the backfill task")?,
-            _ = ticker.tick() => {
-                use std::sync::atomic::Ordering::Relaxed;
-                bar.set_length(progress.total.load(Relaxed).max(progress.rows.load(Relaxed)));
-                bar.set_position(progress.rows.load(Relaxed));
-            }
-        }
-    };
-    bar.finish_and_clear();
-    if let Some(lsn) = &report.last_lsn {
-        let slot = pg.slot_name(&config.pipeline.name);
-        tracing::info!(%slot, %lsn, "rows read; waiting until the daemon has applied them");
-        if !snapshot::wait_until_confirmed(&pg.url, &slot, lsn, shutdown).await? {
-            return Err(RunError::Source(SourceError::Inconsistent(format!(
-                "interrupted while waiting for the daemon to apply the backfill (slot `{slot}` has not confirmed {lsn} yet); \
-                 every chunk is in the WAL and the daemon will still apply it"
-            ))));
+    match through_daemon(loaded, pg, &scope, &state, shutdown.clone()).await? {
+        Some(outcome) => Ok(outcome),
+        None => {
+            tracing::warn!(
+                "the refract process running this pipeline stopped: applying the rest of the backfill in this one"
+            );
+            let summary = runtime::run(
+                loaded,
+                RunOptions {
+                    mode: ReadMode::UntilCaughtUp,
+                    backfill: Some(BackfillScope {
+                        tables: scope.tables,
+                        restart: false,
+                    }),
+                    progress_bar: true,
+                },
+                shutdown,
+            )
+            .await?;
+            Ok(Outcome::Ran(Box::new(summary)))
         }
     }
-    Ok(Outcome::ThroughDaemon {
-        tables: report.tables,
-        skipped: report.skipped,
-        elapsed: started.elapsed(),
-    })
+}
+
+/// How long the slot may show no reader before the backfill looks whether the daemon is gone
+/// (a daemon reconnecting leaves it inactive for a moment).
+const DAEMON_GONE_AFTER: Duration = Duration::from_secs(5);
+
+/// Asks the daemon to read the backfill and follows it until its rows are durable. `None`
+/// when the daemon stopped before that (the caller goes on without it).
+async fn through_daemon(
+    loaded: &LoadedPipeline,
+    pg: &refract_schemas::config::PostgresSourceConfig,
+    scope: &BackfillScope,
+    state: &std::path::Path,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<Option<Outcome>, RunError> {
+    let name = &loaded.config.pipeline.name;
+    let started = Instant::now();
+    let asked = snapshot::Asked::send(
+        &pg.url,
+        &pg.publication_name(name),
+        &pg.slot_name(name),
+        state,
+        &scope.tables,
+        scope.restart,
+    )
+    .await?;
+    let id = asked.request.id.clone();
+    if asked.earlier {
+        tracing::info!(request = %id, "the running daemon has this backfill under way already: following it");
+    } else {
+        tracing::info!(request = %id, "a refract process runs this pipeline: asked it to read the backfill");
+    }
+    let bar = runtime::rows_bar(0);
+    // The daemon's notes are small files: looking at them often costs nothing and ends the
+    // wait soon after the rows are durable.
+    let mut ticker = tokio::time::interval(Duration::from_millis(50));
+    let mut inactive_since: Option<Instant> = None;
+    let mut last_liveness = Instant::now();
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = shutdown.wait_for(|s| *s) => {
+                bar.abandon();
+                return Err(RunError::Source(SourceError::Inconsistent(format!(
+                    "interrupted while following the backfill (request {id}): the daemon goes on with it; \
+                     `refract backfill` with the same tables follows it again"
+                ))));
+            }
+        }
+        let status = snapshot::BackfillStatus::read(state)?;
+        if let Some(status) = status.filter(|s| s.request.as_deref() == Some(id.as_str())) {
+            if let Some(error) = &status.error {
+                bar.abandon();
+                return Err(RunError::Source(SourceError::Inconsistent(format!(
+                    "the daemon could not read the backfill: {error}"
+                ))));
+            }
+            bar.set_length(status.total.max(status.rows()));
+            bar.set_position(status.rows());
+            if status.complete {
+                bar.finish_and_clear();
+                return Ok(Some(Outcome::ThroughDaemon {
+                    tables: status
+                        .tables
+                        .iter()
+                        .filter(|t| t.2.is_none())
+                        .map(|t| (t.0.clone(), t.1))
+                        .collect(),
+                    skipped: status
+                        .tables
+                        .iter()
+                        .filter_map(|t| Some((t.0.clone(), t.2.clone()?)))
+                        .collect(),
+                    elapsed: started.elapsed(),
+                }));
+            }
+        }
+        // Once a second: is the daemon still there?
+        if last_liveness.elapsed() < Duration::from_secs(1) {
+            continue;
+        }
+        last_liveness = Instant::now();
+        if asked.slot_active().await? {
+            inactive_since = None;
+            continue;
+        }
+        let since = *inactive_since.get_or_insert_with(Instant::now);
+        if since.elapsed() < DAEMON_GONE_AFTER {
+            continue;
+        }
+        match CheckpointStore::open(&state.join("checkpoint.redb")) {
+            Ok(store) => {
+                drop(store);
+                bar.abandon();
+                // Not taken yet: withdrawn, so a later daemon does not read it too.
+                if snapshot::BackfillRequest::pending(state)?.is_some_and(|r| r.id == id) {
+                    snapshot::BackfillRequest::withdraw(state)?;
+                }
+                return Ok(None);
+            }
+            Err(CheckpointError::InUse(_)) => inactive_since = None,
+            Err(e) => return Err(e.into()),
+        }
+    }
 }

@@ -14,6 +14,9 @@
 //! changed or deleted during the backfill therefore ends as the source has it, as with chunks,
 //! but read at COPY speed.
 //!
+//! **Backfill beside a daemon.** The same, read by the daemon into its own stream when
+//! `refract backfill` asks it to (see [`super::request`]).
+//!
 //! Either way the rows take positions `(C - 1, (table + 1) << 40 | row)`, below every change
 //! committed after `C`. Every 10,000 rows the key reached is noted (no fsync needed: an older
 //! note only re-reads more). If the process dies before the rows are durable, the next start
@@ -81,6 +84,9 @@ struct CopyState {
     #[serde(default)]
     scope: Vec<String>,
     tables: Vec<CopyTableState>,
+    /// The `refract backfill` request a running daemon reads this for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    request: Option<String>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -144,6 +150,8 @@ pub struct CopyPlan<'a> {
     pub scope: Vec<String>,
     /// Counters the read updates.
     pub progress: Arc<ChunkProgress>,
+    /// The `refract backfill` request a running daemon reads it for (kept through a restart).
+    pub request: Option<String>,
 }
 
 /// An exported snapshot being read with COPY (see above).
@@ -262,6 +270,7 @@ async fn plan_copy(
         tables,
         scope,
         progress,
+        request,
     } = plan;
     let planned = match tables {
         Some(t) => t,
@@ -282,6 +291,7 @@ async fn plan_copy(
         lsn: consistent.saturating_sub(1),
         scope,
         tables: Vec::new(),
+        request,
     };
     for plan in planned {
         let note = |skipped: Option<String>| CopyTableState {
@@ -392,6 +402,7 @@ pub async fn create_slot_exporting(
             tables: None,
             scope: Vec::new(),
             progress: Arc::new(ChunkProgress::default()),
+            request: None,
         },
     )
     .await?;
@@ -437,12 +448,13 @@ pub fn resume_after_copy(
     durable: Option<refract_schemas::Offset>,
 ) -> Result<(), SourceError> {
     for kind in CopyKind::ALL {
-        resume_kind(kind, state_dir, durable)?;
+        resume_copy_kind(kind, state_dir, durable)?;
     }
     Ok(())
 }
 
-fn resume_kind(
+/// [`resume_after_copy`] for the read of one kind only (the other may still be under way).
+pub fn resume_copy_kind(
     kind: CopyKind,
     state_dir: &Path,
     durable: Option<refract_schemas::Offset>,
@@ -472,6 +484,8 @@ fn resume_kind(
         planned: true,
         tables: Vec::new(),
         complete: false,
+        request: copy.request,
+        error: None,
     };
     // The stream went past the rows: every one of them is durable.
     let all_durable = matches!(durable, Some(refract_schemas::Offset(lsn, _)) if lsn > copy.lsn);
@@ -509,7 +523,11 @@ fn resume_kind(
             } else {
                 mark.map(|(_, k)| k.clone()).or(t.after)
             },
-            rows: t.base_rows + mark.map_or(0, |(seq, _)| seq - first),
+            rows: t.base_rows
+                + match (done, t.end) {
+                    (true, Some(end)) => end - first,
+                    _ => mark.map_or(0, |(seq, _)| seq - first),
+                },
             done,
             skipped: None,
         });
@@ -525,6 +543,36 @@ fn resume_kind(
     std::fs::remove_file(&copy_path).map_err(|e| SourceError::Io {
         message: format!("cannot remove {}", copy_path.display()),
         source: Some(e),
+    })
+}
+
+/// What the notes of a read under way say: rows handed out per table (the row reached at the
+/// last note, or at a table's end).
+pub(super) struct NotedRows {
+    pub request: Option<String>,
+    pub tables: Vec<(String, u64)>,
+}
+
+/// Reads the notes at `path`; `None` when there are none or they cannot be read now.
+pub(super) fn rows_noted(path: &Path) -> Option<NotedRows> {
+    let copy: CopyState = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
+    let mut index = 0usize;
+    let mut tables = Vec::new();
+    for t in copy.tables {
+        if t.skipped.is_some() || t.done {
+            continue;
+        }
+        let first = CopySnapshot::seq(index, 0);
+        index += 1;
+        let reached = t
+            .end
+            .or(t.marks.last().map(|(seq, _)| *seq))
+            .unwrap_or(first);
+        tables.push((t.table, t.base_rows + (reached - first)));
+    }
+    Some(NotedRows {
+        request: copy.request,
+        tables,
     })
 }
 

@@ -11,10 +11,10 @@
 //! - a transaction that changes one of the rows after the chunk waits for the chunk's commit,
 //!   so its change comes later in the stream and wins.
 //!
-//! No row comes back after its delete and no old value overwrites a newer one, whether the
-//! chunks are read by the daemon itself (initial snapshot) or by a separate `refract backfill`
-//! while the daemon streams. There is no long transaction: each chunk holds its locks for one
-//! statement. Progress (the last key of the last committed chunk per table) is kept in a small
+//! No row comes back after its delete and no old value overwrites a newer one, while the daemon
+//! streams (chunks finish an initial snapshot that was interrupted; backfills read an exported
+//! snapshot, see [`CopySnapshot`] and [`BackfillRequest`]). There is no long transaction: each
+//! chunk holds its locks for one statement. Progress (the last key of the last committed chunk per table) is kept in a small
 //! JSON file in the pipeline's state directory, replaced atomically after every chunk, so an
 //! interrupted snapshot resumes at its last chunk; a chunk emitted twice is harmless (its rows
 //! are upserts at its position in the stream).
@@ -30,10 +30,12 @@ use super::source::{io, quote_ident};
 use crate::SourceError;
 
 mod copy;
+mod request;
 pub use copy::{
     CopyKind, CopyPlan, CopySnapshot, CopyTable, PlannedTable, create_slot_exporting,
-    export_for_backfill, parse_copy_line, resume_after_copy,
+    export_for_backfill, parse_copy_line, resume_after_copy, resume_copy_kind,
 };
+pub use request::{Asked, BackfillRequest, BackfillStatus, request_prefix};
 
 /// Prefix of the chunk messages of slot `slot` (other slots' chunks are ignored).
 pub fn message_prefix(slot: &str) -> String {
@@ -78,6 +80,12 @@ struct State {
     planned: bool,
     tables: Vec<TableState>,
     complete: bool,
+    /// The `refract backfill` request a running daemon read this backfill for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    request: Option<String>,
+    /// Why the daemon could not read the requested backfill.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -194,6 +202,15 @@ impl Chunker {
         chunker.progress.rows.store(done, Ordering::Relaxed);
         chunker.progress.total.store(total, Ordering::Relaxed);
         Ok(chunker)
+    }
+
+    /// Marks the backfill as read for `refract backfill` request `id` (which follows it by
+    /// that id) and records it.
+    pub fn for_request(mut self, id: &str) -> Result<Self, SourceError> {
+        self.state.request = Some(id.to_owned());
+        self.state.error = None;
+        persist(&self.path, &self.state)?;
+        Ok(self)
     }
 
     /// The shared progress counters.
@@ -454,7 +471,7 @@ pub(crate) async fn published_tables(
 
 /// The asked-for tables (`schema.table` or `table`) as `schema.table` names of the publication,
 /// sorted; an error names a table the publication does not have.
-async fn resolve_scope(
+pub async fn resolve_scope(
     client: &tokio_postgres::Client,
     publication: &str,
     wanted: &[String],
@@ -545,12 +562,18 @@ fn chunk_sql(shape: &TableShape, limit: u32, first: bool) -> String {
 }
 
 fn load(path: &Path) -> Result<Option<State>, SourceError> {
+    read_json(path, "delete it to start the snapshot or backfill over")
+}
+
+/// Reads a JSON file of the state directory; `None` when there is none. `remedy` ends the error
+/// for a file that does not parse.
+fn read_json<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    remedy: &str,
+) -> Result<Option<T>, SourceError> {
     match std::fs::read(path) {
         Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| {
-            SourceError::Inconsistent(format!(
-                "snapshot progress file {} is unreadable ({e}); delete it to start the snapshot over",
-                path.display()
-            ))
+            SourceError::Inconsistent(format!("{} is unreadable ({e}); {remedy}", path.display()))
         }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(SourceError::Io {
@@ -580,58 +603,4 @@ fn persist<T: Serialize>(path: &Path, state: &T) -> Result<(), SourceError> {
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(fail)
-}
-
-/// A backfill run by `refract backfill` while a daemon streams the pipeline: reads the chunks
-/// into the WAL; the daemon applies them. Returns the chunker to [`Chunker::run`] (with its
-/// progress counters) once prepared.
-pub async fn standalone_backfill(
-    config: &refract_schemas::config::PostgresSourceConfig,
-    context: &crate::SourceContext,
-) -> Result<Chunker, SourceError> {
-    let scope = context.backfill.clone().unwrap_or_default();
-    Chunker::prepare(
-        &config.url,
-        &config.publication_name(&context.pipeline),
-        &config.slot_name(&context.pipeline),
-        config.chunk_rows,
-        super::source::PostgresSource::backfill_progress_path(&context.state_dir),
-        &scope.tables,
-        scope.restart,
-    )
-    .await
-}
-
-/// Waits until the slot of a running pipeline has confirmed the WAL position `lsn` (its
-/// `confirmed_flush_lsn` at or beyond it: every chunk before is durable in the read models).
-/// Returns false when `stop` turned true first.
-pub async fn wait_until_confirmed(
-    url: &str,
-    slot: &str,
-    lsn: &str,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) -> Result<bool, SourceError> {
-    let client = super::source::connect(url).await?;
-    loop {
-        let row = client
-            .query_opt(
-                "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot, &lsn],
-            )
-            .await
-            .map_err(io("cannot read the slot's confirmed position"))?;
-        match row {
-            Some(row) if row.get::<_, Option<bool>>(0) == Some(true) => return Ok(true),
-            Some(_) => {}
-            None => {
-                return Err(SourceError::Inconsistent(format!(
-                    "replication slot `{slot}` does not exist"
-                )));
-            }
-        }
-        tokio::select! {
-            () = tokio::time::sleep(Duration::from_millis(500)) => {}
-            _ = stop.wait_for(|s| *s) => return Ok(false),
-        }
-    }
 }

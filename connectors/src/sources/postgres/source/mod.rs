@@ -376,6 +376,7 @@ impl Source for PostgresSource {
                             tables: Some(tables),
                             scope,
                             progress,
+                            request: None,
                         },
                     )
                     .await?;
@@ -430,6 +431,10 @@ impl Source for PostgresSource {
             catalog: client,
             url: self.config.url.clone(),
             slot: self.slot.clone(),
+            publication: self.publication.clone(),
+            chunk_rows: self.config.chunk_rows,
+            takes_requests: mode == ReadMode::Follow && self.context.backfill.is_none(),
+            request_prefix: snapshot::request_prefix(&self.slot),
             replication_config: cfg,
             partition: self.partition.clone(),
             db: pg.get_dbname().map(Arc::from),
@@ -446,7 +451,7 @@ impl Source for PostgresSource {
             last_sent: None,
             resumed_from: resume,
             copy,
-            copy_end: None,
+            copy_ends: Vec::new(),
             state_dir: self.context.state_dir.clone(),
         };
         let stop = self.stop.subscribe();
@@ -520,17 +525,40 @@ async fn start_replication(
 
 /// Writes the caught-up marker; returns its LSN.
 async fn emit_caught_up_marker(client: &tokio_postgres::Client) -> Result<u64, SourceError> {
-    let row = client
-        .query_one(
-            "SELECT pg_logical_emit_message(false, $1, '')::text",
-            &[&CAUGHT_UP_PREFIX],
-        )
-        .await
-        .map_err(io(
-            "cannot write the caught-up marker (pg_logical_emit_message)",
-        ))?;
-    let lsn: String = row.get(0);
-    parse_lsn(&lsn)
+    emit_message(client, CAUGHT_UP_PREFIX, "").await
+}
+
+/// Writes a non-transactional logical message and flushes the WAL through it, so the stream
+/// carries it at once: a walsender sends only flushed WAL, and a message alone waits for the WAL
+/// writer (up to `wal_writer_delay`, 200 ms by default; PostgreSQL 17's `flush` argument does
+/// the same). A transaction given an id commits with a flush. Returns the message's LSN.
+pub(crate) async fn emit_message(
+    client: &tokio_postgres::Client,
+    prefix: &str,
+    content: &str,
+) -> Result<u64, SourceError> {
+    let failed = io(format!(
+        "cannot write a logical message `{prefix}` (pg_logical_emit_message)"
+    ));
+    let lsn = async {
+        client.batch_execute("BEGIN").await?;
+        let row = client
+            .query_one(
+                "SELECT pg_logical_emit_message(false, $1, $2)::text, txid_current()",
+                &[&prefix, &content],
+            )
+            .await?;
+        client.batch_execute("COMMIT").await?;
+        Ok(row.get::<_, String>(0))
+    }
+    .await;
+    match lsn {
+        Ok(lsn) => parse_lsn(&lsn),
+        Err(e) => {
+            let _ = client.batch_execute("ROLLBACK").await;
+            Err(failed(e))
+        }
+    }
 }
 
 fn slot_lost(slot: &str) -> SourceError {
@@ -621,6 +649,14 @@ struct Reader {
     catalog: tokio_postgres::Client,
     url: String,
     slot: String,
+    publication: String,
+    /// Rows per chunk of a backfill resumed in chunks.
+    chunk_rows: u32,
+    /// Whether this run reads the backfills `refract backfill` asks of it (a daemon does; a
+    /// run until caught up or a backfill's own run does not).
+    takes_requests: bool,
+    /// Prefix of this slot's backfill request messages.
+    request_prefix: String,
     replication_config: ReplicationConfig,
     partition: Arc<str>,
     db: Option<Arc<str>>,
@@ -649,8 +685,8 @@ struct Reader {
     /// An exported snapshot to read: before the stream (initial snapshot), or where the stream
     /// reaches its consistent point (a backfill's fast path).
     copy: Option<CopySnapshot>,
-    /// The position of its last row, until that is durable.
-    copy_end: Option<Offset>,
+    /// The position of the last row of each read handed out, until that is durable.
+    copy_ends: Vec<(Offset, snapshot::CopyKind)>,
     /// The pipeline's state directory (snapshot progress).
     state_dir: PathBuf,
 }

@@ -30,6 +30,20 @@ impl Reader {
                 }
             }
         }
+        // A backfill asked of the daemon before it started, or interrupted by its stop.
+        if self.takes_requests {
+            let request = match snapshot::BackfillRequest::pending(&self.state_dir) {
+                Ok(Some(request)) => Some(request),
+                Ok(None) => snapshot::BackfillRequest::interrupted(&self.state_dir),
+                Err(e) => {
+                    tracing::warn!(error = %e, "backfill request ignored");
+                    None
+                }
+            };
+            if let Some(request) = request {
+                self.take_backfill(request).await;
+            }
+        }
         let mut failures = 0u32;
         let result = loop {
             let started = Instant::now();
@@ -103,18 +117,91 @@ impl Reader {
         let Some(copy) = self.copy.take() else {
             return Ok(true);
         };
-        let lsn = copy.lsn;
+        let (lsn, kind) = (copy.lsn, copy.kind);
         self.flush(out).await?;
         if !self.read_copy(copy, out, stop).await? {
             return Ok(false);
         }
         match self.copy_end_after(lsn) {
             // Complete once the last row is durable (see the durable branch).
-            Some(last) => self.copy_end = Some(last),
+            Some(last) => self.copy_ends.push((last, kind)),
             // No rows: complete now.
-            None => snapshot::resume_after_copy(&self.state_dir, Some(Offset(lsn + 1, 0)))?,
+            None => snapshot::resume_copy_kind(kind, &self.state_dir, Some(Offset(lsn + 1, 0)))?,
         }
         Ok(true)
+    }
+
+    /// Takes a backfill `refract backfill` asked for: plans it under the request's id and
+    /// exports a snapshot whose rows go into the stream where it reaches the snapshot's
+    /// consistent point (see [`snapshot::BackfillRequest`]). A failure is recorded for the
+    /// asking process; the stream goes on.
+    async fn take_backfill(&mut self, request: snapshot::BackfillRequest) {
+        let busy = self.copy.is_some()
+            || self
+                .copy_ends
+                .iter()
+                .any(|(_, kind)| *kind == snapshot::CopyKind::Backfill);
+        if busy {
+            tracing::info!(request = %request.id, "a backfill is under way: the request is taken once its rows are durable");
+            return;
+        }
+        tracing::info!(request = %request.id, tables = ?request.tables, "backfill requested: reading it from an exported snapshot");
+        let path = PostgresSource::backfill_progress_path(&self.state_dir);
+        let taken = async {
+            let chunker = Chunker::prepare(
+                &self.url,
+                &self.publication,
+                &self.slot,
+                self.chunk_rows,
+                path,
+                &request.tables,
+                request.restart,
+            )
+            .await?
+            .for_request(&request.id)?;
+            snapshot::BackfillRequest::withdraw(&self.state_dir)?;
+            let progress = chunker.progress();
+            let (tables, scope) = chunker.into_plan();
+            let copy = snapshot::export_for_backfill(
+                &self.replication_config,
+                &self.url,
+                &self.slot,
+                snapshot::CopyPlan {
+                    publication: &self.publication,
+                    state_dir: &self.state_dir,
+                    tables: Some(tables),
+                    scope,
+                    progress,
+                    request: Some(request.id.clone()),
+                },
+            )
+            .await?;
+            // A message past the consistent point, so an idle stream reaches it at once.
+            emit_message(&self.catalog, &self.request_prefix, "").await?;
+            Ok::<_, SourceError>(copy)
+        }
+        .await;
+        match taken {
+            Ok(copy) => self.copy = Some(copy),
+            Err(e) => {
+                tracing::error!(request = %request.id, error = %e, "cannot read the requested backfill");
+                if let Err(e) = request.fail(&self.state_dir, &e.to_string()) {
+                    tracing::error!(error = %e, "cannot record the backfill's failure");
+                }
+            }
+        }
+    }
+
+    /// A request message: takes the request it names if that is the one waiting.
+    async fn requested(&mut self, id: &[u8]) {
+        if !self.takes_requests || id.is_empty() {
+            return;
+        }
+        match snapshot::BackfillRequest::pending(&self.state_dir) {
+            Ok(Some(request)) if request.id.as_bytes() == id => self.take_backfill(request).await,
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "backfill request ignored"),
+        }
     }
 
     /// The position of the last row the copy at `lsn` handed out, if any did.
@@ -221,12 +308,29 @@ impl Reader {
                     let durable_at = durable.borrow_and_update().get(&*self.partition).copied();
                     if let Some(Offset(lsn, seq)) = durable_at {
                         replication.update_applied_lsn(Lsn::from_u64(if seq == u64::MAX { lsn + 1 } else { lsn }));
-                        in_flight_free = seq == u64::MAX && Some(lsn) == self.last_commit && self.tx.is_none();
+                        // Free when a transaction's end is durable and so is everything
+                        // handed out: the rows of a snapshot read into the stream come after
+                        // the last commit, and the slot must not confirm the transactions
+                        // after them before they are durable too.
+                        in_flight_free = seq == u64::MAX
+                            && self.tx.is_none()
+                            && self.last_sent.is_none_or(|sent| Offset(lsn, seq) >= sent);
                         self.resumed_from = Some(Offset(lsn, seq));
-                        if self.copy_end.is_some_and(|end| Offset(lsn, seq) >= end) {
-                            // Every row of the initial snapshot is durable.
-                            snapshot::resume_after_copy(&self.state_dir, Some(Offset(lsn, seq)))?;
-                            self.copy_end = None;
+                        // Reads whose every row is durable are complete.
+                        let durable_at = Offset(lsn, seq);
+                        let mut backfilled = false;
+                        for (end, kind) in &self.copy_ends {
+                            if durable_at >= *end {
+                                snapshot::resume_copy_kind(*kind, &self.state_dir, Some(durable_at))?;
+                                backfilled |= *kind == snapshot::CopyKind::Backfill;
+                            }
+                        }
+                        self.copy_ends.retain(|(end, _)| durable_at < *end);
+                        // A request that came while that backfill was under way.
+                        if backfilled && self.takes_requests {
+                            if let Ok(Some(request)) = snapshot::BackfillRequest::pending(&self.state_dir) {
+                                self.take_backfill(request).await;
+                            }
                         }
                     }
                     continue;
@@ -318,6 +422,8 @@ impl Reader {
                 } => {
                     if transactional && prefix == self.rows_prefix && self.tx.is_some() {
                         self.rows(&content);
+                    } else if !transactional && prefix == self.request_prefix && self.tx.is_none() {
+                        self.requested(&content).await;
                     } else if prefix == CAUGHT_UP_PREFIX
                         && matches!(self.caught_up, CaughtUp::At(at) if lsn.as_u64() >= at)
                         && self.tx.is_none()
