@@ -657,7 +657,9 @@ fn a_backfill_asked_of_the_daemon_survives_sigkills_of_the_daemon() {
     let pipeline = pipeline_file_with(dir.path(), name, &out, "snapshot = \"never\"");
     catch_up(&pipeline);
     let backfill_state = dir.path().join(format!("state/{name}/backfill.json"));
-    let load = update_delete_load(name, rows, 250, 120);
+    // Longer than each half takes (the object-store sink writes about 3,000 documents a second).
+    let load_seconds = (60 + rows / 1_000) as u32;
+    let load = update_delete_load(name, rows, 250, load_seconds);
 
     // 1. The daemon is killed halfway and started again: it resumes the backfill, and the
     //    `refract backfill` following it sees it through.
@@ -704,7 +706,7 @@ fn a_backfill_asked_of_the_daemon_survives_sigkills_of_the_daemon() {
     );
 
     // 2. The daemon is killed and stays down: `refract backfill` finishes the rest itself.
-    let load = update_delete_load(name, rows, 250, 120);
+    let load = update_delete_load(name, rows, 250, load_seconds);
     let mut daemon = logged_daemon(&pipeline, &dir.path().join("daemon-3.log"));
     std::thread::sleep(Duration::from_secs(2));
     let started = std::time::Instant::now();
