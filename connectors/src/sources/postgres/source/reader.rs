@@ -308,13 +308,7 @@ impl Reader {
                     let durable_at = durable.borrow_and_update().get(&*self.partition).copied();
                     if let Some(Offset(lsn, seq)) = durable_at {
                         replication.update_applied_lsn(Lsn::from_u64(if seq == u64::MAX { lsn + 1 } else { lsn }));
-                        // Free when a transaction's end is durable and so is everything
-                        // handed out: the rows of a snapshot read into the stream come after
-                        // the last commit, and the slot must not confirm the transactions
-                        // after them before they are durable too.
-                        in_flight_free = seq == u64::MAX
-                            && self.tx.is_none()
-                            && self.last_sent.is_none_or(|sent| Offset(lsn, seq) >= sent);
+                        in_flight_free = nothing_in_flight(Offset(lsn, seq), self.tx.is_some(), self.last_sent);
                         self.resumed_from = Some(Offset(lsn, seq));
                         // Reads whose every row is durable are complete.
                         let durable_at = Offset(lsn, seq);
@@ -516,5 +510,43 @@ impl Reader {
         self.connector = Arc::from(&*self.connector);
         self.db = self.db.as_deref().map(Arc::from);
         Ok(())
+    }
+}
+
+/// Whether nothing handed out is still in flight once `durable` is: a transaction's end is
+/// durable, none is open, and neither is anything handed out after it (`last_sent`). The rows of
+/// a snapshot read into the stream come after the last commit: that commit being durable is not
+/// enough, or the slot would confirm the transactions after them before the rows are durable
+/// (and a crash would then lose those transactions).
+fn nothing_in_flight(durable: Offset, tx_open: bool, last_sent: Option<Offset>) -> bool {
+    durable.1 == u64::MAX && !tx_open && last_sent.is_none_or(|sent| durable >= sent)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_slot_is_free_only_when_everything_handed_out_is_durable() {
+        let end = |lsn| Offset(lsn, u64::MAX);
+        // Streaming: the last transaction handed out is durable.
+        assert!(nothing_in_flight(end(100), false, Some(end(100))));
+        assert!(nothing_in_flight(end(100), false, None));
+        // An earlier one only, or one still open.
+        assert!(!nothing_in_flight(end(90), false, Some(end(100))));
+        assert!(!nothing_in_flight(end(100), true, Some(end(100))));
+        // Inside a huge transaction cut into batches.
+        assert!(!nothing_in_flight(
+            Offset(100, 7),
+            false,
+            Some(Offset(100, 7))
+        ));
+        // A backfill's rows at (C - 1, …) handed out after the transaction at 100: its end being
+        // durable leaves the rows in flight; so does the rows' own progress.
+        let last_row = Offset(199, snapshot::CopySnapshot::seq(0, 5_000));
+        assert!(!nothing_in_flight(end(100), false, Some(last_row)));
+        assert!(!nothing_in_flight(last_row, false, Some(last_row)));
+        // The first transaction after the rows, durable: free again.
+        assert!(nothing_in_flight(end(250), false, Some(end(250))));
     }
 }
