@@ -79,8 +79,8 @@ pub async fn run(
     }
 
     match through_daemon(loaded, pg, &scope, &state, shutdown.clone()).await? {
-        Some(outcome) => Ok(outcome),
-        None => {
+        Followed::Done(outcome) => Ok(outcome),
+        Followed::DaemonGone { taken } => {
             tracing::warn!(
                 "the refract process running this pipeline stopped: applying the rest of the backfill in this one"
             );
@@ -90,7 +90,8 @@ pub async fn run(
                     mode: ReadMode::UntilCaughtUp,
                     backfill: Some(BackfillScope {
                         tables: scope.tables,
-                        restart: false,
+                        // What the daemon read of it is kept.
+                        restart: scope.restart && !taken,
                     }),
                     progress_bar: true,
                 },
@@ -106,15 +107,23 @@ pub async fn run(
 /// (a daemon reconnecting leaves it inactive for a moment).
 const DAEMON_GONE_AFTER: Duration = Duration::from_secs(5);
 
-/// Asks the daemon to read the backfill and follows it until its rows are durable. `None`
-/// when the daemon stopped before that (the caller goes on without it).
+/// How following the daemon ended.
+enum Followed {
+    /// The rows are durable.
+    Done(Outcome),
+    /// The daemon stopped first (the caller goes on without it); `taken` when it had started
+    /// reading the request.
+    DaemonGone { taken: bool },
+}
+
+/// Asks the daemon to read the backfill and follows it until its rows are durable.
 async fn through_daemon(
     loaded: &LoadedPipeline,
     pg: &refract_schemas::config::PostgresSourceConfig,
     scope: &BackfillScope,
     state: &std::path::Path,
     mut shutdown: watch::Receiver<bool>,
-) -> Result<Option<Outcome>, RunError> {
+) -> Result<Followed, RunError> {
     let name = &loaded.config.pipeline.name;
     let started = Instant::now();
     let asked = snapshot::Asked::send(
@@ -161,7 +170,7 @@ async fn through_daemon(
             bar.set_position(status.rows());
             if status.complete {
                 bar.finish_and_clear();
-                return Ok(Some(Outcome::ThroughDaemon {
+                return Ok(Followed::Done(Outcome::ThroughDaemon {
                     tables: status
                         .tables
                         .iter()
@@ -195,10 +204,11 @@ async fn through_daemon(
                 drop(store);
                 bar.abandon();
                 // Not taken yet: withdrawn, so a later daemon does not read it too.
-                if snapshot::BackfillRequest::pending(state)?.is_some_and(|r| r.id == id) {
+                let taken = !snapshot::BackfillRequest::pending(state)?.is_some_and(|r| r.id == id);
+                if !taken {
                     snapshot::BackfillRequest::withdraw(state)?;
                 }
-                return Ok(None);
+                return Ok(Followed::DaemonGone { taken });
             }
             Err(CheckpointError::InUse(_)) => inactive_since = None,
             Err(e) => return Err(e.into()),
