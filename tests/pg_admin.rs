@@ -1,4 +1,4 @@
-//! `refract plan` and `refract drop` against the real local PostgreSQL (`PG_URL`, default
+//! `refract plan`, `refract drop` and a failing `refract backfill` against the real local PostgreSQL (`PG_URL`, default
 //! `postgres://postgres@127.0.0.1:5432/refract`, in logical mode: `scripts/test` prepares it).
 //! Each test works on its own `adm_*` tables, slot and publication, and drops them at the end.
 
@@ -449,18 +449,7 @@ fn drop_refuses_while_a_daemon_runs_the_pipeline() {
             .stdout(Stdio::null())
             .stderr(Stdio::null()),
     );
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while psql(&format!(
-        "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'refract_{name}' AND active"
-    )) != "1"
-    {
-        assert!(Instant::now() < deadline, "the daemon never took the slot");
-        assert!(
-            daemon.child().try_wait().unwrap().is_none(),
-            "the daemon ended"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_until_streaming(name, &mut daemon);
 
     // The same pipeline: its state is locked by the daemon.
     for yes in [false, true] {
@@ -496,5 +485,90 @@ fn drop_refuses_while_a_daemon_runs_the_pipeline() {
     let (code, stdout, stderr) = drop_cmd(&file, true);
     assert_eq!(code, Some(0), "{stdout}{stderr}");
     assert!(!slot_exists(name) && !publication_exists(name) && !state.exists());
+    psql(&format!("DROP TABLE public.{name}"));
+}
+
+/// Waits until the daemon streams from the pipeline's slot.
+fn wait_until_streaming(name: &str, daemon: &mut Running) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while psql(&format!(
+        "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'refract_{name}' AND active"
+    )) != "1"
+    {
+        assert!(Instant::now() < deadline, "the daemon never took the slot");
+        assert!(
+            daemon.child().try_wait().unwrap().is_none(),
+            "the daemon ended"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_backfill_the_daemon_cannot_read_is_reported_and_the_daemon_goes_on() {
+    let name = "adm_backfill_err";
+    // The name of the temporary slot the daemon exports the backfill's snapshot from.
+    let blocker = format!("refract_{name}_backfill");
+    let drop_blocker = || {
+        psql(&format!(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = '{blocker}'"
+        ))
+    };
+    drop_blocker();
+    fresh_table(name);
+    psql(&format!(
+        "INSERT INTO {name} SELECT g, 'row ' || g, NULL FROM generate_series(1, 100) g"
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let file = pipeline_at(
+        dir.path(),
+        "pipeline.toml",
+        name,
+        &pg_url(),
+        &[&format!("public.{name}")],
+        "snapshot = \"never\"",
+    );
+    catch_up(&file);
+    // Taken by another slot: the daemon cannot create its temporary slot.
+    psql(&format!(
+        "SELECT 1 FROM pg_create_logical_replication_slot('{blocker}', 'pgoutput')"
+    ));
+    let mut daemon = Running::spawn(
+        refract()
+            .arg("run")
+            .arg(&file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    wait_until_streaming(name, &mut daemon);
+    let (code, stdout, stderr) = text(&output(refract().arg("backfill").arg(&file)));
+    assert_eq!(code, Some(1), "{stdout}{stderr}");
+    assert!(
+        stderr.contains("the daemon could not read the backfill")
+            && stderr.contains(&blocker)
+            && stderr.contains("already exists"),
+        "{stderr}"
+    );
+    // The daemon goes on; once the name is free, the same backfill goes through it.
+    drop_blocker();
+    psql(&format!("UPDATE {name} SET note = 'after' WHERE id = 1"));
+    let (code, stdout, stderr) = text(&output(refract().arg("backfill").arg(&file)));
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert!(
+        stdout.contains("applied by the running daemon") && stdout.contains("100 rows"),
+        "{stdout}"
+    );
+    assert!(
+        daemon.child().try_wait().unwrap().is_none(),
+        "the daemon still runs"
+    );
+    daemon.terminate();
+    assert!(daemon.child().wait().unwrap().success());
+    let docs = dir.path().join("out").join(name);
+    assert_eq!(std::fs::read_dir(&docs).unwrap().count(), 100);
+    let first = std::fs::read_to_string(docs.join("1.json")).unwrap();
+    assert!(first.contains("\"note\":\"after\""), "{first}");
+    let (code, stdout, stderr) = drop_cmd(&file, true);
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
     psql(&format!("DROP TABLE public.{name}"));
 }
