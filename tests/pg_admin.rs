@@ -1,6 +1,7 @@
-//! `refract plan`, `refract drop` and a failing `refract backfill` against the real local PostgreSQL (`PG_URL`, default
-//! `postgres://postgres@127.0.0.1:5432/refract`, in logical mode: `scripts/test` prepares it).
-//! Each test works on its own `adm_*` tables, slot and publication, and drops them at the end.
+//! `refract plan`, `refract drop` and a failing `refract backfill` against the real local
+//! PostgreSQL (`PG_URL`, default `postgres://postgres@127.0.0.1:5432/refract`, in logical mode:
+//! `scripts/test` prepares it). Each test works on its own `adm_*` tables, slot and publication,
+//! and drops them at the end.
 
 mod common;
 
