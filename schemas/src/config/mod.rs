@@ -188,8 +188,8 @@ pub struct PostgresSourceConfig {
     /// `never` streams only changes from then on.
     #[serde(default)]
     pub snapshot: SnapshotMode,
-    /// Rows per snapshot or backfill chunk (100 to 100,000). Each chunk is one short
-    /// transaction that share-locks its rows.
+    /// Rows per chunk when an interrupted initial snapshot is finished in chunks (100 to
+    /// 100,000). Each chunk is one short transaction that share-locks its rows.
     #[serde(default = "default_chunk_rows")]
     pub chunk_rows: u32,
     /// Log a warning when the slot holds back more WAL than this, in MiB (the server keeps WAL
