@@ -365,7 +365,8 @@ fn filled_table(name: &str, rows: u64) {
 }
 
 /// Stops a load from [`update_delete_load`]; returns whether it was still running.
-fn stop_load(mut load: std::process::Child) -> bool {
+fn stop_load(load: Running) -> bool {
+    let mut load = load.into_child();
     let running = load.try_wait().unwrap().is_none();
     if running {
         load.kill().unwrap();
@@ -402,8 +403,8 @@ fn assert_backfilled_under_load(
 }
 
 /// A writer of random updates and deletes at `rate` transactions/s (two statements each), for
-/// `seconds`, through pgbench.
-fn update_delete_load(name: &str, rows: u64, rate: u32, seconds: u32) -> std::process::Child {
+/// `seconds`, through pgbench (killed if the test fails before [`stop_load`]).
+fn update_delete_load(name: &str, rows: u64, rate: u32, seconds: u32) -> Running {
     let script = std::env::temp_dir().join(format!("refract_{name}_load.sql"));
     std::fs::write(
         &script,
@@ -430,6 +431,7 @@ fn update_delete_load(name: &str, rows: u64, rate: u32, seconds: u32) -> std::pr
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
+        .map(Running::adopt)
         .expect("pgbench starts")
 }
 
@@ -559,7 +561,7 @@ fn the_initial_snapshot_is_consistent_with_writes_during_it() {
             .stdout(Stdio::null())
             .stderr(Stdio::null()),
     );
-    assert!(load.wait().unwrap().success(), "pgbench failed");
+    assert!(load.child().wait().unwrap().success(), "pgbench failed");
     daemon.terminate();
     assert!(daemon.child().wait().unwrap().success());
     catch_up(&pipeline);
@@ -657,8 +659,8 @@ fn a_backfill_asked_of_the_daemon_survives_sigkills_of_the_daemon() {
     let pipeline = pipeline_file_with(dir.path(), name, &out, "snapshot = \"never\"");
     catch_up(&pipeline);
     let backfill_state = dir.path().join(format!("state/{name}/backfill.json"));
-    // Longer than each half takes (the object-store sink writes about 3,000 documents a second).
-    let load_seconds = (60 + rows / 1_000) as u32;
+    // Longer than either half takes on a loaded machine; stopped when each half is done.
+    let load_seconds = 900;
     let load = update_delete_load(name, rows, 250, load_seconds);
 
     // 1. The daemon is killed halfway and started again: it resumes the backfill, and the

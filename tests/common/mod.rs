@@ -295,6 +295,14 @@ impl Running {
     pub fn spawn(cmd: &mut Command) -> Self {
         Running(Some(cmd.spawn().expect("the refract binary starts")))
     }
+    /// Owns a process started elsewhere (killed if the test ends first).
+    pub fn adopt(child: std::process::Child) -> Self {
+        Running(Some(child))
+    }
+    /// Gives the process up (no longer killed on drop).
+    pub fn into_child(mut self) -> std::process::Child {
+        self.0.take().expect("the process is still owned")
+    }
     pub fn child(&mut self) -> &mut std::process::Child {
         self.0.as_mut().expect("the process is still owned")
     }
