@@ -117,8 +117,6 @@ pub struct ChunkReport {
     pub tables: Vec<(String, u64)>,
     /// Tables not read, with the reason.
     pub skipped: Vec<(String, String)>,
-    /// The WAL position of the last chunk message, if any was written by this run.
-    pub last_lsn: Option<String>,
 }
 
 /// Reads tables in chunks into the WAL (see the module documentation).
@@ -292,7 +290,7 @@ impl Chunker {
                 continue;
             }
             if !self.state.tables[index].done {
-                self.read_table(index, &mut report).await?;
+                self.read_table(index).await?;
             }
             report.tables.push((table, self.state.tables[index].rows));
         }
@@ -301,11 +299,7 @@ impl Chunker {
         Ok(report)
     }
 
-    async fn read_table(
-        &mut self,
-        index: usize,
-        report: &mut ChunkReport,
-    ) -> Result<(), SourceError> {
+    async fn read_table(&mut self, index: usize) -> Result<(), SourceError> {
         let table = self.state.tables[index].table.clone();
         let shape = self.shape(&table).await?;
         if shape.key.is_empty() {
@@ -370,7 +364,6 @@ impl Chunker {
             };
             let count: i64 = row.get(0);
             let last: Option<String> = row.get(1);
-            let lsn: Option<String> = row.get(2);
             let t = &mut self.state.tables[index];
             t.rows += count as u64;
             if let Some(last) = last {
@@ -379,9 +372,6 @@ impl Chunker {
                 })?);
             }
             t.done = (count as u64) < u64::from(self.chunk_rows);
-            if lsn.is_some() {
-                report.last_lsn = lsn;
-            }
             persist(&self.path, &self.state)?;
             self.progress
                 .rows
@@ -508,7 +498,8 @@ pub async fn resolve_scope(
 
 /// The statement reading one chunk (after the key in parameters `$3…`, unless `first`) and
 /// writing it as a logical message with prefix `$1` and header `$2`. Returns the rows read, the
-/// last key (a JSON array of text) and the message's LSN.
+/// last key (a JSON array of text) and the message's LSN (unused: it makes the statement write
+/// the message).
 fn chunk_sql(shape: &TableShape, limit: u32, first: bool) -> String {
     let keys: Vec<String> = shape.key.iter().map(|(c, _)| quote_ident(c)).collect();
     let aliases: Vec<String> = (0..keys.len()).map(|i| format!("__refract_k{i}")).collect();

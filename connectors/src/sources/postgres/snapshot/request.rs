@@ -25,6 +25,11 @@ use super::{State, load, persist, read_json};
 use crate::SourceError;
 use crate::sources::postgres::source::io;
 
+/// The backfill's progress file (`backfill.json`).
+fn progress_path(state_dir: &Path) -> PathBuf {
+    super::super::source::PostgresSource::backfill_progress_path(state_dir)
+}
+
 /// Prefix of the request messages for slot `slot`.
 pub fn request_prefix(slot: &str) -> String {
     format!("refract.backfill:{slot}")
@@ -69,7 +74,7 @@ impl BackfillRequest {
     /// A request the daemon took and did not finish (it was stopped or killed): resumed from
     /// its progress when the daemon starts again.
     pub fn interrupted(state_dir: &Path) -> Option<Self> {
-        let path = super::super::source::PostgresSource::backfill_progress_path(state_dir);
+        let path = progress_path(state_dir);
         let state = load(&path).ok().flatten()?;
         if state.complete || state.error.is_some() {
             return None;
@@ -95,7 +100,7 @@ impl BackfillRequest {
 
     /// Records in `backfill.json` that the daemon could not read this request.
     pub fn fail(&self, state_dir: &Path, error: &str) -> Result<(), SourceError> {
-        let path = super::super::source::PostgresSource::backfill_progress_path(state_dir);
+        let path = progress_path(state_dir);
         let mut state = load(&path).ok().flatten().unwrap_or_default();
         state.request = Some(self.id.clone());
         state.error = Some(error.to_owned());
@@ -125,7 +130,7 @@ impl BackfillStatus {
     /// Reads the backfill's progress (`backfill.json`) and, while it is read from a snapshot,
     /// its notes. `None` when no backfill was ever planned.
     pub fn read(state_dir: &Path) -> Result<Option<Self>, SourceError> {
-        let path = super::super::source::PostgresSource::backfill_progress_path(state_dir);
+        let path = progress_path(state_dir);
         let Some(state): Option<State> = load(&path)? else {
             return Ok(None);
         };
