@@ -52,11 +52,14 @@ sinks = ["null"]
 kind = "null"
 TOML
 
-now() { python3 -c 'import time; print(time.time())'; }
+# Wall-clock seconds, read without starting an interpreter (which would add its start-up time
+# to every figure).
+now() { date +%s.%N; }
+since() { local end; end=$(now); python3 -c "print($end - $1)"; }
 copy_out() {
     local start; start=$(now)
     psql "$url" -Atqc "COPY (SELECT * FROM bench_snap) TO STDOUT" > /dev/null
-    python3 -c "import time; print(time.time() - $start)" >> "$work/copy_secs"
+    since "$start" >> "$work/copy_secs"
 }
 snapshot() {
     drop_slot; rm -rf "$work/state"
@@ -77,7 +80,7 @@ snapshot() {
             start=$(now)
             RUST_LOG=warn /usr/bin/time -f '%M' -o "$work/rss" "$refract" backfill "$work/never.toml" > "$work/backfill.out"
         fi
-        python3 -c "import time; print(time.time() - $start)" >> "$work/refract_secs"
+        since "$start" >> "$work/refract_secs"
         if [ -n "$daemon" ]; then
             # `time` does not pass signals on: the daemon is its child.
             pkill -TERM -P "$daemon"; wait "$daemon" || true
@@ -92,7 +95,7 @@ snapshot() {
     start=$(now)
     RUST_LOG=warn /usr/bin/time -f '%M' -o "$work/rss" "$refract" run "$work/snap.toml" --until-caught-up \
         --summary-json "$work/summary.json" >/dev/null
-    python3 -c "import time; print(time.time() - $start)" >> "$work/refract_secs"
+    since "$start" >> "$work/refract_secs"
     cat "$work/rss" >> "$work/rss_all"
     python3 - "$work/summary.json" "$rows" <<'PY'
 import json, sys
@@ -103,10 +106,11 @@ if read != rows or summary["dead_letters"] != 0:
 PY
 }
 
-# Two rounds with the order swapped, so neither side profits from the other's warm caches.
-for round in 1 2; do
+# ROUNDS rounds (default 3), the order swapped every other round, so neither side profits
+# from the other's warm caches; the best of each side is compared (this machine is noisy).
+for round in $(seq 1 "${ROUNDS:-3}"); do
     echo "round $round"
-    if [ "$round" = 1 ]; then copy_out; snapshot; else snapshot; copy_out; fi
+    if [ $((round % 2)) = 1 ]; then copy_out; snapshot; else snapshot; copy_out; fi
 done
 python3 - "$rows" "$work" <<'PY'
 import sys
@@ -120,7 +124,7 @@ path = {
     "daemon": "refract backfill beside a running daemon (the daemon reads a temporary slot's exported snapshot with COPY into its stream; RSS is the daemon's)",
 }.get(os.environ.get("BACKFILL", ""), "refract backfill, no daemon (temporary slot's exported snapshot + COPY, read into the stream)")
 print("refract path: " + path)
-print(f"table: {rows} rows (id int, name text, qty int, price numeric, note text) (best of 2 rounds)")
+print(f"table: {rows} rows (id int, name text, qty int, price numeric, note text) (best of {len(read('copy_secs'))} rounds)")
 print(f"snapshot rows/s: refract {r:,.0f} ({ref:.2f}s) / COPY TO STDOUT {c:,.0f} ({copy:.2f}s) = {r / c:.2f}x")
 print(f"refract peak RSS: {rss / 1024:.1f} MiB")
 rounds = lambda f: ", ".join(f"{x:.2f}s" for x in read(f))

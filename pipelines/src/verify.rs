@@ -365,7 +365,7 @@ fn step(
                 expected
                     .entry(collection.to_string())
                     .or_default()
-                    .insert(key, Value::Object((*doc).clone()));
+                    .insert(key, Value::from((*doc).clone()));
             }
             WriteOp::Delete {
                 collection, key, ..

@@ -10,10 +10,9 @@ use std::fmt;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
+use serde_json::Value;
 
-/// One row image: column name to JSON value (logical types already converted).
-pub type Row = Map<String, Value>;
+pub use crate::row::{Columns, Row};
 
 /// The kind of change, Debezium's `op` field.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -9,6 +9,7 @@ pub mod config;
 pub mod debezium;
 pub mod event;
 pub mod field_path;
+pub mod row;
 pub mod template;
 
-pub use event::{ChangeEvent, Checkpoint, Offset, Op, Position, Record, Row, TableId};
+pub use event::{ChangeEvent, Checkpoint, Columns, Offset, Op, Position, Record, Row, TableId};

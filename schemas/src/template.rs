@@ -192,7 +192,7 @@ mod tests {
     use super::*;
 
     fn row(v: Value) -> Row {
-        v.as_object().unwrap().clone()
+        v.as_object().unwrap().clone().into()
     }
 
     #[test]

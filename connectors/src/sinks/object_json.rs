@@ -323,7 +323,7 @@ mod tests {
         WriteOp::Upsert {
             collection: c.into(),
             key: k.into(),
-            doc: Arc::new(doc as Row),
+            doc: Arc::new(Row::from(doc)),
             position: pos(),
         }
     }

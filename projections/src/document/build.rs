@@ -44,7 +44,7 @@ pub(super) fn document(
             .collect();
         doc.insert(name.clone(), Value::Array(objects));
     }
-    Ok(Some(doc))
+    Ok(Some(doc.into()))
 }
 
 /// The listed children of the root whose key is `root` (after `limit`), and how many there

@@ -212,7 +212,7 @@ fn table() {
     let key_only = |table: &str, key: Value| {
         let mut e = d(table, key.clone());
         e.before = None;
-        e.key = Some(std::sync::Arc::new(key.as_object().unwrap().clone()));
+        e.key = Some(std::sync::Arc::new(key.as_object().unwrap().clone().into()));
         e
     };
     let cases: Vec<(&str, Vec<Vec<ChangeEvent>>, Vec<Value>)> = vec![

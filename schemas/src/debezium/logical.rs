@@ -100,10 +100,10 @@ impl RowSchema {
         Ok(Self { columns })
     }
 
-    /// Converts the logical-typed columns of `row` in place.
-    pub fn convert(&self, row: &mut Row) -> Result<(), String> {
+    /// Converts the logical-typed columns of `row` (a row, or a struct's fields) in place.
+    pub fn convert(&self, row: &mut impl Fields) -> Result<(), String> {
         for (col, logical) in &self.columns {
-            if let Some(v) = row.get_mut(col.as_str()) {
+            if let Some(v) = row.field_mut(col.as_str()) {
                 if !v.is_null() {
                     logical
                         .convert(v)
@@ -112,6 +112,24 @@ impl RowSchema {
             }
         }
         Ok(())
+    }
+}
+
+/// What logical values are converted in: a row's columns or a struct's fields.
+pub trait Fields {
+    /// The value named `name`, to change.
+    fn field_mut(&mut self, name: &str) -> Option<&mut Value>;
+}
+
+impl Fields for Row {
+    fn field_mut(&mut self, name: &str) -> Option<&mut Value> {
+        self.get_mut(name)
+    }
+}
+
+impl Fields for serde_json::Map<String, Value> {
+    fn field_mut(&mut self, name: &str) -> Option<&mut Value> {
+        self.get_mut(name)
     }
 }
 

@@ -313,9 +313,10 @@ impl DebeziumDecoder {
         if obj.len() == 2 && obj.contains_key("schema") && obj.contains_key("payload") {
             let schema = obj.remove("schema").unwrap_or(Value::Null);
             let payload = obj.remove("payload").unwrap_or(Value::Null);
-            let Value::Object(mut row) = payload else {
+            let Value::Object(row) = payload else {
                 return Ok(None);
             };
+            let mut row = Row::from(row);
             let converter =
                 logical::RowSchema::compile(&schema).map_err(|e| format!("key schema: {e}"))?;
             converter
@@ -323,7 +324,7 @@ impl DebeziumDecoder {
                 .map_err(|e| format!("key: {e}"))?;
             return Ok(Some(row));
         }
-        Ok(Some(obj))
+        Ok(Some(obj.into()))
     }
 
     fn schema(&mut self, raw: &RawValue) -> Result<Arc<EnvelopeSchema>, String> {

@@ -68,7 +68,7 @@ async fn applies_the_last_operation_per_key_in_pipelines() {
         let _: () = c.set(format!("{p}:k{i}"), "cached").await.unwrap();
     }
     let _: () = c.set(format!("{p}:docs:old"), "x").await.unwrap();
-    let doc: Row = json!({"id": 1}).as_object().unwrap().clone();
+    let doc: Row = json!({"id": 1}).as_object().unwrap().clone().into();
     let mut ops: Vec<WriteOp> = (0..6)
         .map(|i| invalidate(&format!("{p}:k{i}"), None))
         .collect();

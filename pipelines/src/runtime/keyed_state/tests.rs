@@ -184,7 +184,7 @@ fn transaction(
     ops.into_iter()
         .map(|op| match op {
             refract_projections::WriteOp::Upsert { key, doc, .. } => {
-                (key, serde_json::Value::Object((*doc).clone()))
+                (key, serde_json::Value::from((*doc).clone()))
             }
             other => panic!("{other:?}"),
         })

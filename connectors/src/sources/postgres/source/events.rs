@@ -151,30 +151,19 @@ impl Reader {
                 raw,
             );
         }
-        // Converted in column order (the first bad column is the one reported), into a vector
-        // kept between rows.
-        let mut converted = std::mem::take(&mut self.row_values);
-        converted.clear();
-        for ((column, oid), value) in columns.iter().zip(&shape.types).zip(values) {
-            let v = match value {
-                None => Value::Null,
-                Some(text) => match text_to_json(*oid, text.as_ref()) {
-                    Ok(v) => v,
-                    Err(e) => {
-                        self.row_values = converted;
-                        let raw = Bytes::from(serde_json::to_vec(values).unwrap_or_default());
-                        return self.push_error(
-                            position,
-                            format!("`{table}` column `{column}`: {e}"),
-                            raw,
-                        );
-                    }
-                },
-            };
-            converted.push(v);
-        }
-        let after = shape.row(&mut converted);
-        self.row_values = converted;
+        // Converted in column order: the first bad column is the one reported.
+        let converted = shape.build(|i| match &values[i] {
+            None => Ok(Value::Null),
+            Some(text) => text_to_json(shape.types[i], text.as_ref())
+                .map_err(|e| format!("column `{}`: {e}", columns[i])),
+        });
+        let after = match converted {
+            Ok(row) => row,
+            Err(e) => {
+                let raw = Bytes::from(serde_json::to_vec(values).unwrap_or_default());
+                return self.push_error(position, format!("`{table}` {e}"), raw);
+            }
+        };
         let seq = position.offset.1;
         self.chunk.push(SourceItem {
             record: Ok(Record::Change(ChangeEvent {
@@ -378,12 +367,17 @@ impl Reader {
                         key.push((c.name.clone(), row.get(0)));
                     }
                 }
-                let (key_columns, key_types) = key.into_iter().unzip();
+                let (key_columns, key_types): (Vec<String>, _) = key.into_iter().unzip();
+                let names: Vec<String> = shape.columns.iter().map(|c| c.name.clone()).collect();
+                let types: Vec<u32> = shape.columns.iter().map(|c| c.type_oid).collect();
+                let rows = RowShape::new(&names, &types, &key_columns);
                 self.relations.insert(
                     shape.id,
                     RelationInfo {
                         table,
                         shape,
+                        rows,
+                        renewed: self.flushes,
                         key_columns,
                         key_types,
                     },
@@ -461,6 +455,13 @@ impl Reader {
         // Positions are numbered the same way on every read of the transaction, whatever is
         // skipped, so a resume inside it skips exactly what was durable.
         let position = self.next_position();
+        let flushes = self.flushes;
+        if let Some(info) = self.relations.get_mut(&relation)
+            && info.renewed != flushes
+        {
+            info.rows.renew();
+            info.renewed = flushes;
+        }
         let Some(info) = self.relations.get(&relation) else {
             self.push_error(
                 position,
@@ -470,7 +471,7 @@ impl Reader {
             return;
         };
         let before = match &old {
-            Some((_, t)) => match row(&info.shape, t, None) {
+            Some((_, t)) => match row(info, t, None) {
                 Ok(r) => Some(r),
                 Err(e) => {
                     return self.push_error(
@@ -485,7 +486,7 @@ impl Reader {
         let after = match &new {
             // An unchanged TOASTed column takes its value from a full old row when there is one.
             Some(t) => match row(
-                &info.shape,
+                info,
                 t,
                 old.as_ref()
                     .filter(|(k, _)| *k == OldKind::Full)
@@ -585,9 +586,10 @@ impl Reader {
     }
 }
 
-/// Builds a row from a tuple; unchanged TOAST values come from `full_old` when given, and are
-/// an error otherwise (the value was not sent).
-fn row(shape: &Relation, tuple: &Tuple, full_old: Option<&Tuple>) -> Result<Row, String> {
+/// Builds a row of `info`'s relation from a tuple; unchanged TOAST values come from `full_old`
+/// when given, and are an error otherwise (the value was not sent).
+fn row(info: &RelationInfo, tuple: &Tuple, full_old: Option<&Tuple>) -> Result<Row, String> {
+    let shape = &info.shape;
     if tuple.len() != shape.columns.len() {
         return Err(format!(
             "{} values for {} columns",
@@ -595,52 +597,40 @@ fn row(shape: &Relation, tuple: &Tuple, full_old: Option<&Tuple>) -> Result<Row,
             shape.columns.len()
         ));
     }
-    let mut out = Row::new();
-    for (i, (column, datum)) in shape.columns.iter().zip(tuple).enumerate() {
-        let value = match datum {
-            Datum::Null => Value::Null,
-            Datum::Text(bytes) => {
-                let text = std::str::from_utf8(bytes)
-                    .map_err(|_| format!("column `{}` is not UTF-8", column.name))?;
-                text_to_json(column.type_oid, text)
-                    .map_err(|e| format!("column `{}`: {e}", column.name))?
-            }
-            Datum::Binary(_) => {
-                return Err(format!("column `{}` arrived in binary format", column.name));
-            }
+    let text = |column: &pgoutput::Column, bytes: &[u8]| -> Result<Value, String> {
+        let text = std::str::from_utf8(bytes)
+            .map_err(|_| format!("column `{}` is not UTF-8", column.name))?;
+        text_to_json(column.type_oid, text).map_err(|e| format!("column `{}`: {e}", column.name))
+    };
+    info.rows.build(|i| {
+        let column = &shape.columns[i];
+        match &tuple[i] {
+            Datum::Null => Ok(Value::Null),
+            Datum::Text(bytes) => text(column, bytes),
+            Datum::Binary(_) => Err(format!("column `{}` arrived in binary format", column.name)),
             Datum::UnchangedToast => match full_old.and_then(|t| t.get(i)) {
-                Some(Datum::Text(bytes)) => {
-                    let text = std::str::from_utf8(bytes)
-                        .map_err(|_| format!("column `{}` is not UTF-8", column.name))?;
-                    text_to_json(column.type_oid, text)
-                        .map_err(|e| format!("column `{}`: {e}", column.name))?
-                }
+                Some(Datum::Text(bytes)) => text(column, bytes),
                 // Leaving the column out would erase it from the read model: refuse loudly.
-                _ => {
-                    return Err(format!(
-                        "column `{}` is an unchanged TOASTed value that PostgreSQL did not send; \
-                         set REPLICA IDENTITY FULL on the table (merging with the last known value is not built yet)",
-                        column.name
-                    ));
-                }
+                _ => Err(format!(
+                    "column `{}` is an unchanged TOASTed value that PostgreSQL did not send; \
+                     set REPLICA IDENTITY FULL on the table (merging with the last known value is not built yet)",
+                    column.name
+                )),
             },
-        };
-        out.insert(column.name.clone(), value);
-    }
-    Ok(out)
+        }
+    })
 }
 
-/// How the rows of one column list are built. A [`Row`] is a map sorted by column name: rather
-/// than sorting and building a map per row, each row clones a template of the columns (nulls)
-/// and fills its values in map order, which costs one node and the name copies.
+/// How the rows of one column list are built: every row shares the column names (sorted, as a
+/// [`Row`] keeps them) and takes its values in that order.
 pub(super) struct RowShape {
     /// Type OIDs of the columns converted (as many as both the names and types given).
     types: Vec<u32>,
-    /// Every column with a null value.
-    template: Row,
-    /// For each entry of `template` in map order, the index of its value among the columns
-    /// (the last of equal names, as building a map from the pairs keeps).
-    order: Vec<usize>,
+    /// The names, sorted, each once.
+    columns: Columns,
+    /// For each column converted, where its value goes among `columns` (`None` for a name given
+    /// again later: the last of equal names is kept, as building a map from the pairs does).
+    slots: Vec<Option<usize>>,
     /// The key columns found among the columns, sorted (as a key image would iterate them);
     /// `None` without any. Every event of the shape shares them: `after` holds their values.
     key_columns: Option<Arc<[String]>>,
@@ -655,11 +645,11 @@ impl RowShape {
         for (i, column) in columns[..count].iter().enumerate() {
             index.insert(column, i);
         }
-        let template: Row = index
-            .keys()
-            .map(|c| ((*c).to_owned(), Value::Null))
-            .collect();
-        let order = index.values().copied().collect();
+        let names: Columns = index.keys().map(|c| (*c).to_owned()).collect();
+        let mut slots = vec![None; count];
+        for (j, &i) in index.values().enumerate() {
+            slots[i] = Some(j);
+        }
         let key_columns: std::collections::BTreeSet<&String> = key
             .iter()
             .filter(|c| index.contains_key(c.as_str()))
@@ -668,28 +658,33 @@ impl RowShape {
             (!key_columns.is_empty()).then(|| key_columns.into_iter().cloned().collect());
         Self {
             types: types[..count].to_vec(),
-            template,
-            order,
+            columns: names,
+            slots,
             key_columns,
         }
     }
 
-    /// New copies of the shared key column names: the events of the previous chunk are dropped
-    /// on another thread, and one reference count written by both would bounce between them.
+    /// New copies of the shared names: the events of the previous chunk are dropped on another
+    /// thread, and one reference count written by both would bounce between them.
     pub(super) fn renew(&mut self) {
         self.key_columns = self.key_columns.as_deref().map(Arc::from);
+        self.columns = self.columns.renewed();
     }
 
-    /// The row from the converted values, one per column converted (as [`Self::types`]); takes
-    /// the values out of `values`.
-    fn row(&self, values: &mut [Value]) -> Row {
-        let mut row = self.template.clone();
-        for (slot, &i) in row.values_mut().zip(&self.order) {
-            if let Some(v) = values.get_mut(i) {
-                *slot = std::mem::take(v);
+    /// The row of the values `value` gives for each column converted (as [`Self::types`]),
+    /// asked for in column order; the first error ends it.
+    pub(super) fn build(
+        &self,
+        mut value: impl FnMut(usize) -> Result<Value, String>,
+    ) -> Result<Row, String> {
+        let mut values = vec![Value::Null; self.columns.len()];
+        for (i, slot) in self.slots.iter().enumerate() {
+            let v = value(i)?;
+            if let Some(j) = slot {
+                values[*j] = v;
             }
         }
-        row
+        Ok(Row::from_columns(self.columns.clone(), values))
     }
 }
 
@@ -745,9 +740,7 @@ mod tests {
         for (columns, types, key) in cases {
             let values: Vec<Value> = (0..columns.len()).map(|i| Value::from(i as u64)).collect();
             let shape = RowShape::new(&columns, &types, &key);
-            let mut converted: Vec<Value> =
-                values.iter().take(shape.types.len()).cloned().collect();
-            let row = shape.row(&mut converted);
+            let row = shape.build(|i| Ok(values[i].clone())).unwrap();
             let (want_row, want_key) = by_pairs(&columns, &types, &key, &values);
             assert_eq!(row, want_row, "{columns:?} {types:?}");
             // The key an event of this shape names is the key that was built from the pairs.

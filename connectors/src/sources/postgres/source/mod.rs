@@ -30,7 +30,9 @@ use pgwire_replication::{
 use refract_schemas::config::{PostgresSourceConfig, SnapshotMode};
 use refract_schemas::debezium::DecodeError;
 use refract_schemas::event::{SourceInfo, TxBoundary, TxInfo, TxStatus};
-use refract_schemas::{ChangeEvent, Checkpoint, Offset, Op, Position, Record, Row, TableId};
+use refract_schemas::{
+    ChangeEvent, Checkpoint, Columns, Offset, Op, Position, Record, Row, TableId,
+};
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -38,6 +40,7 @@ use super::pgoutput::{self, Datum, Message, OldKind, Relation, Tuple};
 use super::snapshot::{self, ChunkMessage, ChunkProgress, Chunker, CopySnapshot};
 use super::values::text_to_json;
 use crate::{ReadMode, Source, SourceContext, SourceError, SourceItem};
+use events::RowShape;
 
 mod events;
 mod reader;
@@ -439,7 +442,7 @@ impl Source for PostgresSource {
             partition: self.partition.clone(),
             db: pg.get_dbname().map(Arc::from),
             connector: Arc::from(CONNECTOR),
-            row_values: Vec::new(),
+            flushes: 0,
             rows_prefix: snapshot::message_prefix(&self.slot),
             max_retained_wal: self.config.max_retained_wal_mb.saturating_mul(1 << 20),
             relations: HashMap::new(),
@@ -626,6 +629,10 @@ pub(crate) fn parse_lsn(text: &str) -> Result<u64, SourceError> {
 struct RelationInfo {
     table: TableId,
     shape: Relation,
+    /// How its rows are built.
+    rows: RowShape,
+    /// The value of [`Reader::flushes`] when `rows` was last renewed.
+    renewed: u64,
     /// The document key: the primary key, else the replica-identity columns.
     key_columns: Vec<String>,
     /// SQL types of the key columns (for re-reading a row by key).
@@ -663,8 +670,9 @@ struct Reader {
     /// The connector name every event carries (`postgresql`), shared rather than allocated per
     /// event.
     connector: Arc<str>,
-    /// Converted values of the row being built, kept between rows.
-    row_values: Vec<Value>,
+    /// Chunks handed out so far: a relation's row names are renewed once per chunk (see
+    /// [`RowShape::renew`]).
+    flushes: u64,
     /// Prefix of this slot's snapshot/backfill chunk messages.
     rows_prefix: String,
     /// Retained WAL (bytes) above which a warning is logged.

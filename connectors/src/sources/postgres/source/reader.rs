@@ -503,6 +503,7 @@ impl Reader {
         out.send(Ok(chunk))
             .await
             .map_err(|_| SourceError::Inconsistent("the runtime stopped reading".into()))?;
+        self.flushes += 1;
         // The next chunk's events share new copies of the names every event carries: the
         // runtime drops this chunk's references on another thread while this one makes the
         // next chunk's, and one reference count written by both would bounce between them.
