@@ -407,3 +407,74 @@ mod tests {
         assert_eq!(row, other);
     }
 }
+
+#[cfg(test)]
+mod properties {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// A change made to a row and to the map it stands in for.
+    #[derive(Debug, Clone)]
+    enum Change {
+        Insert(String, i64),
+        Remove(String),
+        RetainNot(String),
+        Share,
+    }
+
+    fn name() -> impl Strategy<Value = String> {
+        // Few names, so that inserts replace and removes hit.
+        "[a-e]{0,2}"
+    }
+
+    fn change() -> impl Strategy<Value = Change> {
+        prop_oneof![
+            (name(), any::<i64>()).prop_map(|(k, v)| Change::Insert(k, v)),
+            name().prop_map(Change::Remove),
+            name().prop_map(Change::RetainNot),
+            Just(Change::Share),
+        ]
+    }
+
+    proptest! {
+        /// Any pairs and any changes: the row reads, iterates, serializes and compares as the
+        /// sorted map built and changed the same way; rows sharing its columns are not changed.
+        #[test]
+        fn a_row_is_the_sorted_map(
+            pairs in proptest::collection::vec((name(), any::<i64>()), 0..12),
+            changes in proptest::collection::vec(change(), 0..24),
+        ) {
+            let mut row: Row = pairs.iter().map(|(k, v)| (k.clone(), Value::from(*v))).collect();
+            let mut map: Map<String, Value> =
+                pairs.iter().map(|(k, v)| (k.clone(), Value::from(*v))).collect();
+            let mut shared: Vec<(Row, Map<String, Value>)> = Vec::new();
+            for change in changes {
+                match change {
+                    Change::Insert(k, v) => {
+                        prop_assert_eq!(row.insert(k.clone(), v.into()), map.insert(k, v.into()));
+                    }
+                    Change::Remove(k) => prop_assert_eq!(row.remove(&k), map.remove(&k)),
+                    Change::RetainNot(k) => {
+                        row.retain(|n, _| *n != k);
+                        map.retain(|n, _| *n != k);
+                    }
+                    Change::Share => shared.push((row.clone(), map.clone())),
+                }
+                prop_assert!(row.iter().eq(map.iter()));
+            }
+            prop_assert_eq!(row.len(), map.len());
+            for k in ["", "a", "ab", "e", "zz"] {
+                prop_assert_eq!(row.get(k), map.get(k));
+                prop_assert_eq!(row.contains_key(k), map.contains_key(k));
+            }
+            prop_assert_eq!(serde_json::to_string(&row).unwrap(), serde_json::to_string(&map).unwrap());
+            let back: Row = serde_json::from_str(&serde_json::to_string(&map).unwrap()).unwrap();
+            prop_assert_eq!(&back, &row);
+            prop_assert_eq!(Map::from(row.clone()), map.clone());
+            for (r, m) in shared {
+                prop_assert!(r.iter().eq(m.iter()));
+            }
+        }
+    }
+}
