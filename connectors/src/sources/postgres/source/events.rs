@@ -631,6 +631,8 @@ pub(super) struct RowShape {
     /// For each column converted, where its value goes among `columns` (`None` for a name given
     /// again later: the last of equal names is kept, as building a map from the pairs does).
     slots: Vec<Option<usize>>,
+    /// For each of `columns`, the column its value comes from; `None` when a name is given twice.
+    sorted: Option<Vec<usize>>,
     /// The key columns found among the columns, sorted (as a key image would iterate them);
     /// `None` without any. Every event of the shape shares them: `after` holds their values.
     key_columns: Option<Arc<[String]>>,
@@ -650,6 +652,7 @@ impl RowShape {
         for (j, &i) in index.values().enumerate() {
             slots[i] = Some(j);
         }
+        let sorted = (index.len() == count).then(|| index.values().copied().collect());
         let key_columns: std::collections::BTreeSet<&String> = key
             .iter()
             .filter(|c| index.contains_key(c.as_str()))
@@ -660,6 +663,7 @@ impl RowShape {
             types: types[..count].to_vec(),
             columns: names,
             slots,
+            sorted,
             key_columns,
         }
     }
@@ -677,6 +681,14 @@ impl RowShape {
         &self,
         mut value: impl FnMut(usize) -> Result<Value, String>,
     ) -> Result<Row, String> {
+        // Every column in its own place (the usual case): the values made in the row's order,
+        // straight into their vector. After an error, the column order below finds the first bad
+        // column.
+        if let Some(sorted) = &self.sorted
+            && let Ok(values) = sorted.iter().map(|&i| value(i)).collect()
+        {
+            return Ok(Row::from_columns(self.columns.clone(), values));
+        }
         let mut values = vec![Value::Null; self.columns.len()];
         for (i, slot) in self.slots.iter().enumerate() {
             let v = value(i)?;
@@ -769,6 +781,26 @@ mod tests {
             );
             assert!(want_key.keys().all(|k| event.is_key_column(k)));
         }
+    }
+
+    #[test]
+    fn the_first_bad_column_in_column_order_is_reported() {
+        let names = ["z", "m", "a"].map(String::from);
+        let shape = RowShape::new(&names, &[25; 3], &[]);
+        let failing = |bad: &[usize]| {
+            shape.build(|i| {
+                if bad.contains(&i) {
+                    Err(format!("column `{}`", names[i]))
+                } else {
+                    Ok(Value::from(i))
+                }
+            })
+        };
+        assert_eq!(failing(&[0, 2]), Err("column `z`".into()));
+        assert_eq!(failing(&[1, 2]), Err("column `m`".into()));
+        let row = failing(&[]).unwrap();
+        assert_eq!(row.keys().collect::<Vec<_>>(), ["a", "m", "z"]);
+        assert_eq!(row["z"], Value::from(0));
     }
 
     #[test]
