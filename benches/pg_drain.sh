@@ -42,13 +42,16 @@ cleanup() {
 trap cleanup EXIT
 cleanup; mkdir -p "$work"
 
-now() { python3 -c 'import time; print(time.time())'; }
+# Wall-clock seconds, read without starting an interpreter (which would add its start-up time
+# to every figure).
+now() { date +%s.%N; }
+since() { local end; end=$(now); python3 -c "print($end - $1)"; }
 # drain_recv URL SLOT PUBLICATION ENDPOS NAME: pg_recvlogical drains SLOT up to ENDPOS.
 drain_recv() {
     local start; start=$(now)
     pg_recvlogical -d "$1" --slot "$2" --start --endpos "$4" --no-loop \
         -o proto_version=1 -o publication_names="$3" -f /dev/null
-    python3 -c "import time; print(time.time() - $start)" >> "$work/$5.recv_secs"
+    since "$start" >> "$work/$5.recv_secs"
 }
 # drain_refract PIPELINE NAME EXPECTED_CHANGES_JSON: refract drains into the null sink; the run
 # must have read exactly the expected number of changes for each op named, without dead letters.
@@ -56,7 +59,7 @@ drain_refract() {
     local start; start=$(now)
     RUST_LOG=warn /usr/bin/time -f '%M' -o "$work/rss" "$refract" run "$1" --until-caught-up \
         --summary-json "$work/summary.json" >/dev/null
-    python3 -c "import time; print(time.time() - $start)" >> "$work/$2.refract_secs"
+    since "$start" >> "$work/$2.refract_secs"
     cat "$work/rss" >> "$work/$2.rss_all"
     python3 - "$work/summary.json" "$3" <<'PY'
 import json, sys
@@ -74,7 +77,7 @@ changes, prefix, what = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 read = lambda f: [float(x) for x in open(f"{prefix}.{f}").read().split()]
 ref, recv, rss = min(read("refract_secs")), min(read("recv_secs")), max(read("rss_all"))
 r, p = changes / ref, changes / recv
-print(f"backlog: {what} (best of 2 rounds)")
+print(f"backlog: {what} (best of {len(read('recv_secs'))} rounds)")
 print(f"drain changes/s: refract {r:,.0f} ({ref:.2f}s) / pg_recvlogical {p:,.0f} ({recv:.2f}s) = {r / p:.2f}x")
 print(f"refract peak RSS: {rss / 1024:.1f} MiB")
 rounds = lambda f: ", ".join(f"{x:.2f}s" for x in read(f))
@@ -103,13 +106,16 @@ sinks = ["null"]
 kind = "null"
 TOML
 
-# Two rounds with the order swapped, so neither side profits from the other's warm caches.
-for round in 1 2; do
+# ROUNDS rounds of each backlog (default 3), the order swapped every other round, so neither
+# side profits from the other's warm caches; the best of each side is compared (this machine is
+# noisy).
+rounds=${ROUNDS:-3}
+for round in $(seq 1 "$rounds"); do
     echo "round $round: inserting $rows rows in one transaction"
     sql "TRUNCATE bench_drain; INSERT INTO bench_drain SELECT g, 'item ' || g, g % 100, g / 100.0, 'note ' || g FROM generate_series(1, $rows) g"
     endpos=$(sql "SELECT pg_current_wal_lsn()")
     expected="{\"c\": $rows}"   # (each round's TRUNCATE is in the backlog too: one `t`)
-    if [ "$round" = 1 ]; then
+    if [ $((round % 2)) = 1 ]; then
         drain_recv "$url" bench_recv bench_pub "$endpos" insert; drain_refract "$work/drain.toml" insert "$expected"
     else
         drain_refract "$work/drain.toml" insert "$expected"; drain_recv "$url" bench_recv bench_pub "$endpos" insert
@@ -147,7 +153,7 @@ sinks = ["null"]
 [sinks.null]
 kind = "null"
 TOML
-for round in 1 2; do
+for round in $(seq 1 "$rounds"); do
     echo "round $round: pgbench TPC-B, $pgbench_clients clients x $transactions_per_client transactions = $changes row changes"
     # Asynchronous commit only makes the backlog quicker to produce; the WAL is the same.
     PGOPTIONS='-c synchronous_commit=off' "$pgbench" -n -t "$transactions_per_client" -c "$pgbench_clients" -j 2 "$pgbench_url" \
@@ -157,7 +163,7 @@ for round in 1 2; do
         || { echo "pgbench did not process all $transactions transactions" >&2; exit 1; }
     endpos=$(sqlb "SELECT pg_current_wal_lsn()")
     expected="{\"c\": $transactions, \"u\": $(( transactions * 3 )), \"d\": 0, \"t\": 0}"
-    if [ "$round" = 1 ]; then
+    if [ $((round % 2)) = 1 ]; then
         drain_recv "$pgbench_url" bench_pgbench_recv bench_pgbench_pub "$endpos" tpcb
         drain_refract "$work/pgbench.toml" tpcb "$expected"
     else
