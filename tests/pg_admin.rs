@@ -550,6 +550,17 @@ fn a_backfill_the_daemon_cannot_read_is_reported_and_the_daemon_goes_on() {
             && stderr.contains("already exists"),
         "{stderr}"
     );
+    // `refract plan` shows the failure the daemon recorded.
+    let (code, plan, stderr) = text(&output(refract().arg("plan").arg(&file)));
+    assert_eq!(code, Some(0), "{plan}{stderr}");
+    assert!(
+        plan.lines().any(|l| l
+            .trim_start()
+            .starts_with("backfill    of every table, request ")
+            && l.contains("failed:")
+            && l.contains(&blocker)),
+        "{plan}"
+    );
     // The daemon goes on; once the name is free, the same backfill goes through it.
     drop_blocker();
     psql(&format!("UPDATE {name} SET note = 'after' WHERE id = 1"));
@@ -562,6 +573,14 @@ fn a_backfill_the_daemon_cannot_read_is_reported_and_the_daemon_goes_on() {
     assert!(
         daemon.child().try_wait().unwrap().is_none(),
         "the daemon still runs"
+    );
+    let (code, plan, stderr) = text(&output(refract().arg("plan").arg(&file)));
+    assert_eq!(code, Some(0), "{plan}{stderr}");
+    assert!(
+        plan.lines()
+            .any(|l| l.trim_start().starts_with("backfill    of every table")
+                && l.ends_with(": complete, 100 rows")),
+        "{plan}"
     );
     daemon.terminate();
     assert!(daemon.child().wait().unwrap().success());

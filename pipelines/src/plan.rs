@@ -9,7 +9,9 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use refract_connectors::sources::postgres::{Inspection, PgAdmin, ReplicaIdentity, TableInfo};
+use refract_connectors::sources::postgres::{
+    Inspection, PgAdmin, ReplicaIdentity, TableInfo, snapshot,
+};
 use refract_projections::Projection;
 use refract_schemas::TableId;
 use refract_schemas::config::{
@@ -146,6 +148,7 @@ pub fn render(loaded: &LoadedPipeline, check: &SourceCheck) -> String {
                 }
                 SourceCheck::NotApplicable => {}
             }
+            render_backfill(&mut out, &state_path(c));
         }
     }
     for (name, p) in &c.projections {
@@ -330,6 +333,45 @@ pub fn render(loaded: &LoadedPipeline, check: &SourceCheck) -> String {
         }
     }
     out
+}
+
+/// The pipeline's last `refract backfill`, as its state records it: under way (rows read of the
+/// estimate), complete, or failed; nothing when none was ever asked for.
+fn render_backfill(out: &mut String, state: &std::path::Path) {
+    let status = match snapshot::BackfillStatus::read(state) {
+        Ok(Some(status)) => status,
+        Ok(None) => return,
+        Err(e) => {
+            let _ = writeln!(out, "  backfill    its progress cannot be read: {e}");
+            return;
+        }
+    };
+    let scope = if status.scope.is_empty() {
+        "every table".to_owned()
+    } else {
+        status.scope.join(", ")
+    };
+    let request = status
+        .request
+        .as_deref()
+        .map_or(String::new(), |id| format!(", request {id}"));
+    let state = if let Some(error) = &status.error {
+        format!("failed: {error}")
+    } else if status.complete {
+        format!("complete, {} rows", status.rows())
+    } else {
+        format!(
+            "under way: {} of about {} rows read (`refract backfill` with the same tables resumes or follows it)",
+            status.rows(),
+            status.total.max(status.rows())
+        )
+    };
+    let _ = writeln!(out, "  backfill    of {scope}{request}: {state}");
+    for (table, _, skipped) in &status.tables {
+        if let Some(why) = skipped {
+            let _ = writeln!(out, "              `{table}` left out: {why}");
+        }
+    }
 }
 
 /// The database's side of a PostgreSQL source: server, slot, publication, tables.
