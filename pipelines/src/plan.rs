@@ -355,7 +355,7 @@ fn render_backfill(out: &mut String, state: &std::path::Path) {
         .request
         .as_deref()
         .map_or(String::new(), |id| format!(", request {id}"));
-    let state = if let Some(error) = &status.error {
+    let progress = if let Some(error) = &status.error {
         format!("failed: {error}")
     } else if status.complete {
         format!("complete, {} rows", status.rows())
@@ -366,7 +366,7 @@ fn render_backfill(out: &mut String, state: &std::path::Path) {
             status.total.max(status.rows())
         )
     };
-    let _ = writeln!(out, "  backfill    of {scope}{request}: {state}");
+    let _ = writeln!(out, "  backfill    of {scope}{request}: {progress}");
     for (table, _, skipped) in &status.tables {
         if let Some(why) = skipped {
             let _ = writeln!(out, "              `{table}` left out: {why}");
