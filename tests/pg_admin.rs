@@ -510,11 +510,7 @@ fn a_backfill_the_daemon_cannot_read_is_reported_and_the_daemon_goes_on() {
     let name = "adm_backfill_err";
     // The name of the temporary slot the daemon exports the backfill's snapshot from.
     let blocker = format!("refract_{name}_backfill");
-    let drop_blocker = || {
-        psql(&format!(
-            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = '{blocker}'"
-        ))
-    };
+    let drop_blocker = || drop_slot(&format!("{name}_backfill"));
     drop_blocker();
     fresh_table(name);
     psql(&format!(
