@@ -319,6 +319,29 @@ fn plan_without_the_database_shows_the_file_plan_and_why_it_could_not_connect() 
 }
 
 #[test]
+fn a_run_on_a_table_that_does_not_exist_fails_with_the_servers_reason() {
+    let name = "adm_missing";
+    drop_slot(name);
+    psql(&format!(
+        "DROP TABLE IF EXISTS public.{name};
+         SET client_min_messages = warning; DROP PUBLICATION IF EXISTS refract_{name};"
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let file = pipeline(dir.path(), name);
+    let (code, stdout, stderr) = text(&output(
+        refract().arg("run").arg(&file).arg("--until-caught-up"),
+    ));
+    assert_eq!(code, Some(1), "{stdout}{stderr}");
+    // The server's message, not tokio-postgres' bare "db error".
+    assert!(
+        stderr.contains(&format!("cannot create publication `refract_{name}`"))
+            && stderr.contains(&format!("relation \"public.{name}\" does not exist")),
+        "{stderr}"
+    );
+    assert!(!publication_exists(name) && !slot_exists(name));
+}
+
+#[test]
 fn drop_asks_for_yes_then_drops_slot_publication_and_state_and_the_next_run_starts_fresh() {
     let name = "adm_drop";
     fresh_table(name);

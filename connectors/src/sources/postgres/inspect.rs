@@ -51,7 +51,7 @@ fn query_error(what: impl Into<String>) -> impl FnOnce(tokio_postgres::Error) ->
 
 /// The server's message when there is one (tokio-postgres' Display says only "db error"), else
 /// the error with its causes ("error connecting to server: Connection refused").
-fn error_text(e: &tokio_postgres::Error) -> String {
+pub(crate) fn error_text(e: &tokio_postgres::Error) -> String {
     if let Some(db) = e.as_db_error() {
         return db.message().to_owned();
     }

@@ -26,6 +26,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::inspect::error_text;
 use super::source::{io, quote_ident};
 use crate::SourceError;
 
@@ -356,7 +357,10 @@ impl Chunker {
                     }
                     Err(e) => {
                         return Err(SourceError::Io {
-                            message: format!("cannot read a chunk of `{table}`: {e}"),
+                            message: format!(
+                                "cannot read a chunk of `{table}`: {}",
+                                error_text(&e)
+                            ),
                             source: None,
                         });
                     }

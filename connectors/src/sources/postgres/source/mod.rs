@@ -36,6 +36,7 @@ use refract_schemas::{
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot, watch};
 
+use super::inspect::error_text;
 use super::pgoutput::{self, Datum, Message, OldKind, Relation, Tuple};
 use super::snapshot::{self, ChunkMessage, ChunkProgress, Chunker, CopySnapshot};
 use super::values::text_to_json;
@@ -122,7 +123,7 @@ impl PostgresSource {
 pub(crate) fn io(message: impl Into<String>) -> impl FnOnce(tokio_postgres::Error) -> SourceError {
     let message = message.into();
     move |e| SourceError::Io {
-        message: format!("{message}: {e}"),
+        message: format!("{message}: {}", error_text(&e)),
         source: None,
     }
 }
