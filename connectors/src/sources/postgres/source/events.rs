@@ -684,10 +684,18 @@ impl RowShape {
         // Every column in its own place (the usual case): the values made in the row's order,
         // straight into their vector. After an error, the column order below finds the first bad
         // column.
-        if let Some(sorted) = &self.sorted
-            && let Ok(values) = sorted.iter().map(|&i| value(i)).collect()
-        {
-            return Ok(Row::from_columns(self.columns.clone(), values));
+        if let Some(sorted) = &self.sorted {
+            // Sized once: collecting results would start small and grow the vector per row.
+            let mut values = Vec::with_capacity(sorted.len());
+            for &i in sorted {
+                match value(i) {
+                    Ok(v) => values.push(v),
+                    Err(_) => break,
+                }
+            }
+            if values.len() == sorted.len() {
+                return Ok(Row::from_columns(self.columns.clone(), values));
+            }
         }
         let mut values = vec![Value::Null; self.columns.len()];
         for (i, slot) in self.slots.iter().enumerate() {
@@ -701,6 +709,7 @@ impl RowShape {
 }
 
 /// An emptied vector of fields, its allocation kept for fields of another lifetime.
+#[inline(always)]
 fn recycle<'b>(mut fields: Vec<Option<Cow<'_, str>>>) -> Vec<Option<Cow<'b, str>>> {
     fields.clear();
     // Same size and alignment: collected in place, without allocating.
