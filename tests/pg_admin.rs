@@ -611,3 +611,67 @@ fn a_backfill_the_daemon_cannot_read_is_reported_and_the_daemon_goes_on() {
     assert_eq!(code, Some(0), "{stdout}{stderr}");
     psql(&format!("DROP TABLE public.{name}"));
 }
+
+#[test]
+fn a_backfill_beside_a_daemon_is_written_without_waiting_for_the_batch_delay() {
+    let name = "adm_backfill_delay";
+    fresh_table(name);
+    psql(&format!(
+        "INSERT INTO {name} SELECT g, 'row ' || g, NULL FROM generate_series(1, 100) g"
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let file = pipeline_at(
+        dir.path(),
+        "pipeline.toml",
+        name,
+        &pg_url(),
+        &[&format!("public.{name}")],
+        "snapshot = \"never\"",
+    );
+    // Batches that wait up to a minute for more events to fill them.
+    let toml = std::fs::read_to_string(&file).unwrap();
+    std::fs::write(
+        &file,
+        toml.replace("max_delay_ms = 50", "max_delay_ms = 60000"),
+    )
+    .unwrap();
+    catch_up(&file);
+    let mut daemon = Running::spawn(
+        refract()
+            .arg("run")
+            .arg(&file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    wait_until_streaming(name, &mut daemon);
+    // The backfill's last rows end the daemon's batch: the backfill is durable, and done, well
+    // before the minute a partial batch would wait.
+    let mut backfill = Running::spawn(
+        refract()
+            .arg("backfill")
+            .arg(&file)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while backfill.child().try_wait().unwrap().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the backfill's rows waited for the batch delay"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (code, stdout, stderr) = text(&backfill.wait_with_output());
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert!(
+        stdout.contains("applied by the running daemon") && stdout.contains("100 rows"),
+        "{stdout}"
+    );
+    let docs = dir.path().join("out").join(name);
+    assert_eq!(std::fs::read_dir(&docs).unwrap().count(), 100);
+    daemon.terminate();
+    assert!(daemon.child().wait().unwrap().success());
+    let (code, stdout, stderr) = drop_cmd(&file, true);
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    psql(&format!("DROP TABLE public.{name}"));
+}

@@ -217,6 +217,13 @@ pub trait Source: Send {
     /// confirms positions upstream (a replication slot, a consumer group) sends the last one.
     async fn finish(&mut self) {}
 
+    /// Whether the chunk `next_chunk` returned last ends a unit of work someone waits for (a
+    /// backfill read into a running daemon's stream): the runtime then writes its batch at once
+    /// instead of waiting for more events to fill it.
+    fn ends_batch(&self) -> bool {
+        false
+    }
+
     /// Progress as (bytes or events done, total), when the source knows its size.
     fn progress(&self) -> Option<(u64, u64)> {
         None

@@ -144,7 +144,7 @@ async fn through_daemon(
     let bar = runtime::rows_bar(0);
     // The daemon's notes are small files: looking at them often costs nothing and ends the
     // wait soon after the rows are durable.
-    let mut ticker = tokio::time::interval(Duration::from_millis(50));
+    let mut ticker = tokio::time::interval(Duration::from_millis(20));
     let mut inactive_since: Option<Instant> = None;
     let mut last_liveness = Instant::now();
     loop {

@@ -624,6 +624,9 @@ impl Processor {
                                 self.dispatch().await?;
                             }
                         }
+                        if source.ends_batch() {
+                            self.dispatch().await?;
+                        }
                     }
                     None => break,
                 },

@@ -111,7 +111,11 @@ impl Reader {
             copy.progress
                 .rows
                 .fetch_add(row - counted, Ordering::Relaxed);
-            self.flush(out).await?;
+            if index + 1 == copy.tables.len() {
+                self.flush_ending(out).await?;
+            } else {
+                self.flush(out).await?;
+            }
             copy.end(index, CopySnapshot::seq(index, row))?;
             total += row;
             tracing::info!(table = %t.table, rows = row, "table read from the exported snapshot");

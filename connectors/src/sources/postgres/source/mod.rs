@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -87,6 +87,10 @@ pub struct PostgresSource {
     /// Set at start without a checkpoint: the slot's confirmed position (see
     /// [`Source::resumes_unnamed`]).
     resumes_unnamed: Checkpoint,
+    /// Chunks received from the reader.
+    received: u64,
+    /// The number of the chunk that ends a snapshot or backfill read (see [`Reader::ends_at`]).
+    ends_at: Arc<AtomicU64>,
 }
 
 impl PostgresSource {
@@ -106,6 +110,8 @@ impl PostgresSource {
             chunks: None,
             reader: None,
             resumes_unnamed: Checkpoint::new(),
+            received: 0,
+            ends_at: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -444,6 +450,7 @@ impl Source for PostgresSource {
             db: pg.get_dbname().map(Arc::from),
             connector: Arc::from(CONNECTOR),
             flushes: 0,
+            ends_at: self.ends_at.clone(),
             rows_prefix: snapshot::message_prefix(&self.slot),
             max_retained_wal: self.config.max_retained_wal_mb.saturating_mul(1 << 20),
             relations: HashMap::new(),
@@ -469,7 +476,10 @@ impl Source for PostgresSource {
             return Ok(None);
         };
         match rx.recv().await {
-            Some(Ok(items)) => Ok(Some(items)),
+            Some(Ok(items)) => {
+                self.received += 1;
+                Ok(Some(items))
+            }
             Some(Err(e)) => Err(e),
             None => Ok(None),
         }
@@ -489,6 +499,10 @@ impl Source for PostgresSource {
                 tracing::warn!(slot = %self.slot, "the final position was not confirmed to the slot in time; the next run confirms it");
             }
         }
+    }
+
+    fn ends_batch(&self) -> bool {
+        self.received == self.ends_at.load(Ordering::Acquire)
     }
 
     fn progress(&self) -> Option<(u64, u64)> {
@@ -674,6 +688,10 @@ struct Reader {
     /// Chunks handed out so far: a relation's row names are renewed once per chunk (see
     /// [`RowShape::renew`]).
     flushes: u64,
+    /// The number (counting from 1, as [`Self::flushes`] does) of the chunk that ends the last
+    /// snapshot or backfill read: someone waits for those rows (`refract backfill`), so the
+    /// runtime writes them without waiting for more events to fill its batch.
+    ends_at: Arc<AtomicU64>,
     /// Prefix of this slot's snapshot/backfill chunk messages.
     rows_prefix: String,
     /// Retained WAL (bytes) above which a warning is logged.

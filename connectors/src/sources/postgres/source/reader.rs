@@ -488,6 +488,15 @@ impl Reader {
         Ok(())
     }
 
+    /// [`Self::flush`], marking the chunk as the end of a snapshot or backfill read (see
+    /// [`Self::ends_at`]); marked before it is sent, so the runtime sees the mark with it.
+    pub(super) async fn flush_ending(&mut self, out: &Chunks) -> Result<(), SourceError> {
+        if !self.chunk.is_empty() {
+            self.ends_at.store(self.flushes + 1, Ordering::Release);
+        }
+        self.flush(out).await
+    }
+
     pub(super) async fn flush(&mut self, out: &Chunks) -> Result<(), SourceError> {
         if self.chunk.is_empty() {
             return Ok(());
