@@ -106,6 +106,10 @@ struct CopyTableState {
     /// Read completely before this read started.
     #[serde(default)]
     done: bool,
+    /// Estimated rows, kept for the chunk progress an interrupted read turns into (its
+    /// progress bar's total).
+    #[serde(default)]
+    estimate: u64,
 }
 
 /// A table as the fast path reads it.
@@ -131,6 +135,8 @@ pub struct PlannedTable {
     pub after: Option<Vec<String>>,
     /// Rows read by an earlier, interrupted run.
     pub rows: u64,
+    /// Estimated rows of the table (0: not known yet).
+    pub estimate: u64,
     /// Nothing left to read.
     pub done: bool,
     /// Left out, with the reason.
@@ -281,6 +287,7 @@ async fn plan_copy(
                 table,
                 after: None,
                 rows: 0,
+                estimate: 0,
                 done: false,
                 skipped: None,
             })
@@ -293,8 +300,8 @@ async fn plan_copy(
         tables: Vec::new(),
         request,
     };
-    for plan in planned {
-        let note = |skipped: Option<String>| CopyTableState {
+    for mut plan in planned {
+        let note = |skipped: Option<String>, estimate: u64| CopyTableState {
             table: plan.table.clone(),
             marks: Vec::new(),
             end: None,
@@ -302,16 +309,17 @@ async fn plan_copy(
             after: plan.after.clone(),
             base_rows: plan.rows,
             done: plan.done,
+            estimate,
         };
         if plan.skipped.is_some() || plan.done {
-            state.tables.push(note(plan.skipped.clone()));
+            state.tables.push(note(plan.skipped.clone(), plan.estimate));
             continue;
         }
         let shape = table_shape(&client, publication, &plan.table).await?;
         if shape.key.is_empty() {
             let reason = "no primary key: it cannot be read in key order (add one, or leave it out of the publication)";
             tracing::warn!(table = %plan.table, reason, "table left out of the {}", kind.label());
-            state.tables.push(note(Some(reason.into())));
+            state.tables.push(note(Some(reason.into()), plan.estimate));
             continue;
         }
         let key: Vec<String> = shape.key.iter().map(|(c, _)| c.clone()).collect();
@@ -347,12 +355,14 @@ async fn plan_copy(
         );
         if kind == CopyKind::Snapshot {
             // A backfill's chunk progress has its estimates already.
-            let estimate = super::planner_estimate(&client, &shape.quoted).await?;
+            plan.estimate = super::planner_estimate(&client, &shape.quoted)
+                .await?
+                .unwrap_or(0);
             progress
                 .total
-                .fetch_add(estimate.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+                .fetch_add(plan.estimate, std::sync::atomic::Ordering::Relaxed);
         }
-        state.tables.push(note(None));
+        state.tables.push(note(None, plan.estimate));
         copy_tables.push(CopyTable {
             table: plan.table,
             key,
@@ -498,7 +508,7 @@ pub fn resume_copy_kind(
         if t.skipped.is_some() || t.done {
             state.tables.push(TableState {
                 table: t.table,
-                estimate: 0,
+                estimate: t.estimate,
                 after: None,
                 rows: t.base_rows,
                 done: true,
@@ -517,7 +527,7 @@ pub fn resume_copy_kind(
             .find(|(seq, _)| *seq <= durable_seq && *seq > first);
         state.tables.push(TableState {
             table: t.table,
-            estimate: 0,
+            estimate: t.estimate,
             after: if done {
                 None
             } else {
@@ -717,6 +727,59 @@ mod tests {
         parse_copy_line(b"a\t\xc3\\251", &mut out).unwrap();
         let fields: Vec<Option<&str>> = out.iter().map(|f| f.as_deref()).collect();
         assert_eq!(fields, vec![Some("a"), Some("\u{e9}")]);
+    }
+
+    #[test]
+    fn an_interrupted_read_resumes_after_the_last_durable_mark_with_its_estimate() {
+        let dir = tempfile::tempdir().unwrap();
+        let lsn = 1000;
+        let table = |name: &str, marks: Vec<(u64, Vec<String>)>| CopyTableState {
+            table: name.to_owned(),
+            marks,
+            end: None,
+            skipped: None,
+            after: None,
+            base_rows: 0,
+            done: false,
+            estimate: 50_000,
+        };
+        let first = CopySnapshot::seq(0, 0);
+        let notes = CopyState {
+            lsn,
+            scope: vec![],
+            tables: vec![
+                table(
+                    "public.a",
+                    vec![
+                        (first + 10_000, vec!["10000".into()]),
+                        (first + 20_000, vec!["20000".into()]),
+                    ],
+                ),
+                table("public.b", vec![]),
+            ],
+            request: Some("r1".into()),
+        };
+        let kind = CopyKind::Backfill;
+        persist(&kind.notes_path(dir.path()), &notes).unwrap();
+        // Durable up to a row between the two marks.
+        let durable = refract_schemas::Offset(lsn, first + 15_000);
+        resume_copy_kind(kind, dir.path(), Some(durable)).unwrap();
+        let state: State = super::super::load(&kind.progress_path(dir.path()))
+            .unwrap()
+            .unwrap();
+        assert!(!state.complete);
+        assert_eq!(state.request.as_deref(), Some("r1"));
+        let a = &state.tables[0];
+        assert_eq!(
+            (a.rows, a.after.as_deref(), a.done),
+            (10_000, Some(&["10000".to_owned()][..]), false)
+        );
+        // The estimate survives, so the resumed progress bar has its total.
+        assert_eq!((a.estimate, state.tables[1].estimate), (50_000, 50_000));
+        assert_eq!(
+            (state.tables[1].rows, state.tables[1].after.as_ref()),
+            (0, None)
+        );
     }
 
     #[test]

@@ -228,6 +228,7 @@ impl Chunker {
                 table: t.table,
                 after: t.after,
                 rows: t.rows,
+                estimate: t.estimate,
                 done: t.done,
                 skipped: t.skipped,
             })
