@@ -466,14 +466,7 @@ fn drop_refuses_while_a_daemon_runs_the_pipeline() {
     let state = dir.path().join("state").join(name);
     catch_up(&file);
 
-    let mut daemon = Running::spawn(
-        refract()
-            .arg("run")
-            .arg(&file)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null()),
-    );
-    wait_until_streaming(name, &mut daemon);
+    let mut daemon = streaming_daemon(name, &file);
 
     // The same pipeline: its state is locked by the daemon.
     for yes in [false, true] {
@@ -510,6 +503,19 @@ fn drop_refuses_while_a_daemon_runs_the_pipeline() {
     assert_eq!(code, Some(0), "{stdout}{stderr}");
     assert!(!slot_exists(name) && !publication_exists(name) && !state.exists());
     psql(&format!("DROP TABLE public.{name}"));
+}
+
+/// `refract run` on `file` (pipeline `name`), its output dropped, once it streams from the slot.
+fn streaming_daemon(name: &str, file: &Path) -> Running {
+    let mut daemon = Running::spawn(
+        refract()
+            .arg("run")
+            .arg(file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    wait_until_streaming(name, &mut daemon);
+    daemon
 }
 
 /// Waits until the daemon streams from the pipeline's slot.
@@ -553,14 +559,7 @@ fn a_backfill_the_daemon_cannot_read_is_reported_and_the_daemon_goes_on() {
     psql(&format!(
         "SELECT 1 FROM pg_create_logical_replication_slot('{blocker}', 'pgoutput')"
     ));
-    let mut daemon = Running::spawn(
-        refract()
-            .arg("run")
-            .arg(&file)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null()),
-    );
-    wait_until_streaming(name, &mut daemon);
+    let mut daemon = streaming_daemon(name, &file);
     let (code, stdout, stderr) = text(&output(refract().arg("backfill").arg(&file)));
     assert_eq!(code, Some(1), "{stdout}{stderr}");
     assert!(
@@ -636,14 +635,7 @@ fn a_backfill_beside_a_daemon_is_written_without_waiting_for_the_batch_delay() {
     )
     .unwrap();
     catch_up(&file);
-    let mut daemon = Running::spawn(
-        refract()
-            .arg("run")
-            .arg(&file)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null()),
-    );
-    wait_until_streaming(name, &mut daemon);
+    let mut daemon = streaming_daemon(name, &file);
     // The backfill's last rows end the daemon's batch: the backfill is durable, and done, well
     // before the minute a partial batch would wait.
     let mut backfill = Running::spawn(
