@@ -437,6 +437,9 @@ impl Source for PostgresSource {
                 }
             });
         }
+        // A new reader counts its chunks from 1 again.
+        self.received = 0;
+        self.ends_at = Arc::new(AtomicU64::new(0));
         let reader = Reader {
             catalog: client,
             url: self.config.url.clone(),
