@@ -629,6 +629,7 @@ fn a_backfill_beside_a_daemon_is_written_without_waiting_for_the_batch_delay() {
     );
     // Batches that wait up to a minute for more events to fill them.
     let toml = std::fs::read_to_string(&file).unwrap();
+    assert!(toml.contains("max_delay_ms = 50"), "{toml}");
     std::fs::write(
         &file,
         toml.replace("max_delay_ms = 50", "max_delay_ms = 60000"),
