@@ -75,13 +75,18 @@ url = "file://{out}"
 }
 
 fn pipeline(dir: &Path, name: &str) -> PathBuf {
+    pipeline_with(dir, name, "")
+}
+
+/// `pipeline` with `source_extra` lines in `[source]`.
+fn pipeline_with(dir: &Path, name: &str, source_extra: &str) -> PathBuf {
     pipeline_at(
         dir,
         "pipeline.toml",
         name,
         &pg_url(),
         &[&format!("public.{name}")],
-        "",
+        source_extra,
     )
 }
 
@@ -505,6 +510,16 @@ fn drop_refuses_while_a_daemon_runs_the_pipeline() {
     psql(&format!("DROP TABLE public.{name}"));
 }
 
+/// A fresh table `name` of 100 rows and a pipeline on it without an initial snapshot (only a
+/// backfill reads the rows), in `dir`.
+fn hundred_rows_to_backfill(dir: &Path, name: &str) -> PathBuf {
+    fresh_table(name);
+    psql(&format!(
+        "INSERT INTO {name} SELECT g, 'row ' || g, NULL FROM generate_series(1, 100) g"
+    ));
+    pipeline_with(dir, name, "snapshot = \"never\"")
+}
+
 /// `refract run` on `file` (pipeline `name`), its output dropped, once it streams from the slot.
 fn streaming_daemon(name: &str, file: &Path) -> Running {
     let mut daemon = Running::spawn(
@@ -541,19 +556,8 @@ fn a_backfill_the_daemon_cannot_read_is_reported_and_the_daemon_goes_on() {
     let blocker = format!("refract_{name}_backfill");
     let drop_blocker = || drop_slot(&format!("{name}_backfill"));
     drop_blocker();
-    fresh_table(name);
-    psql(&format!(
-        "INSERT INTO {name} SELECT g, 'row ' || g, NULL FROM generate_series(1, 100) g"
-    ));
     let dir = tempfile::tempdir().unwrap();
-    let file = pipeline_at(
-        dir.path(),
-        "pipeline.toml",
-        name,
-        &pg_url(),
-        &[&format!("public.{name}")],
-        "snapshot = \"never\"",
-    );
+    let file = hundred_rows_to_backfill(dir.path(), name);
     catch_up(&file);
     // Taken by another slot: the daemon cannot create its temporary slot.
     psql(&format!(
@@ -614,19 +618,8 @@ fn a_backfill_the_daemon_cannot_read_is_reported_and_the_daemon_goes_on() {
 #[test]
 fn a_backfill_beside_a_daemon_is_written_without_waiting_for_the_batch_delay() {
     let name = "adm_backfill_delay";
-    fresh_table(name);
-    psql(&format!(
-        "INSERT INTO {name} SELECT g, 'row ' || g, NULL FROM generate_series(1, 100) g"
-    ));
     let dir = tempfile::tempdir().unwrap();
-    let file = pipeline_at(
-        dir.path(),
-        "pipeline.toml",
-        name,
-        &pg_url(),
-        &[&format!("public.{name}")],
-        "snapshot = \"never\"",
-    );
+    let file = hundred_rows_to_backfill(dir.path(), name);
     // Batches that wait up to a minute for more events to fill them.
     let toml = std::fs::read_to_string(&file).unwrap();
     assert!(toml.contains("max_delay_ms = 50"), "{toml}");
