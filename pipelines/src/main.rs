@@ -146,8 +146,8 @@ fn main() -> ExitCode {
                 Ok(reports) => {
                     for (sink, r) in reports {
                         println!(
-                            "sink `{sink}`: {} table(s) rebuilt, {} rows, {} change file(s) merged, {} deleted by retention",
-                            r.tables, r.rows, r.files_read, r.files_deleted
+                            "sink `{sink}`: {} table(s) rebuilt, {} rows, {} change file(s) merged ({} row group(s) copied as they were), {} deleted by retention",
+                            r.tables, r.rows, r.files_read, r.row_groups_copied, r.files_deleted
                         );
                     }
                     ExitCode::SUCCESS

@@ -26,6 +26,7 @@
 
 mod compact;
 mod encode;
+mod merge;
 #[cfg(test)]
 mod tests;
 

@@ -447,7 +447,7 @@ pub async fn compact(
     for (name, sink) in &config.sinks {
         if let SinkConfig::Parquet(p) = sink {
             let report = refract_connectors::sinks::parquet::compact(name, p).await?;
-            tracing::info!(sink = %name, tables = report.tables, rows = report.rows, files_read = report.files_read, files_deleted = report.files_deleted, "current state rebuilt");
+            tracing::info!(sink = %name, tables = report.tables, rows = report.rows, files_read = report.files_read, files_deleted = report.files_deleted, row_groups_copied = report.row_groups_copied, "current state rebuilt");
             reports.push((name.clone(), report));
         }
     }

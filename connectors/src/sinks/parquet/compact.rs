@@ -8,13 +8,13 @@
 //! published with one atomic PUT, so readers see the old or the new state, never a mix.
 //! Change-log files older than `change_retention_days` that are merged are deleted.
 //!
-//! Memory: the table's current state and its new changes are held in memory while merging.
+//! Memory: see [`merge`](super::merge); inputs are fetched whole before merging.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use arrow_array::{Array, ArrayRef, BooleanArray, RecordBatch, StringArray, new_null_array};
-use arrow_schema::{DataType, Field, Schema, SchemaRef};
+use arrow_array::{Array, BooleanArray, RecordBatch, StringArray};
+use arrow_schema::SchemaRef;
 use futures::TryStreamExt;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
@@ -23,7 +23,7 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use refract_schemas::Offset;
 use refract_schemas::config::{ParquetSinkConfig, mask_url};
 
-use super::encode::{self, META_GROUP, META_KEY, META_MERGED_THROUGH, OP, POSITION};
+use super::encode::{self, META_MERGED_THROUGH, POSITION};
 use super::{classify, put};
 use crate::SinkError;
 
@@ -41,6 +41,9 @@ pub struct CompactReport {
     pub files_read: u64,
     /// Change-log files deleted by retention.
     pub files_deleted: u64,
+    /// Row groups copied into the current states as they were (inputs whose rows all survive),
+    /// without decoding or encoding them again.
+    pub row_groups_copied: u64,
 }
 
 /// A change-log file, from its path.
@@ -145,7 +148,10 @@ fn rows_through(
         .map_err(|e| e.to_string())
 }
 
-fn string_column<'a>(batch: &'a RecordBatch, name: &str) -> Result<&'a StringArray, String> {
+pub(super) fn string_column<'a>(
+    batch: &'a RecordBatch,
+    name: &str,
+) -> Result<&'a StringArray, String> {
     batch
         .column_by_name(name)
         .and_then(|c| c.as_any().downcast_ref::<StringArray>())
@@ -234,6 +240,7 @@ pub async fn compact(sink: &str, config: &ParquetSinkConfig) -> Result<CompactRe
         report.rows += r.rows;
         report.files_read += r.files_read;
         report.files_deleted += r.files_deleted;
+        report.row_groups_copied += r.row_groups_copied;
     }
     Ok(report)
 }
@@ -304,7 +311,7 @@ async fn compact_table(
     let (current_path, level, rows_per_group) =
         (current.clone(), config.zstd_level, config.row_group_rows);
     let merged = tokio::task::spawn_blocking(move || {
-        merge(
+        super::merge::merge(
             previous.map(|b| (current_path, b)),
             fetched,
             &merged_through,
@@ -328,7 +335,13 @@ async fn compact_table(
 
     report.tables = 1;
     report.rows = merged.rows as u64;
-    tracing::debug!(table, rows = merged.rows, "current state rebuilt");
+    report.row_groups_copied = merged.copied as u64;
+    tracing::debug!(
+        table,
+        rows = merged.rows,
+        copied = merged.copied,
+        "current state rebuilt"
+    );
     report.files_deleted = retain(&*store, files, config, &merged.through).await?;
     Ok(report)
 }
@@ -357,292 +370,4 @@ async fn retain(
         }
     }
     Ok(deleted)
-}
-
-/// A merged current state.
-struct Merged {
-    bytes: bytes::Bytes,
-    rows: usize,
-    /// The newest position merged.
-    through: String,
-}
-
-/// Merges the previous current state with the change-log files past it (CPU work: decoding,
-/// hashing keys, gathering rows, encoding).
-fn merge(
-    previous: Option<(Path, bytes::Bytes)>,
-    changes: Vec<(Path, bytes::Bytes)>,
-    merged_through: &str,
-    zstd_level: i32,
-    row_group_rows: usize,
-) -> Result<Merged, String> {
-    let mut batches: Vec<RecordBatch> = Vec::new();
-    let mut metadata: HashMap<String, String> = HashMap::new();
-    if let Some((path, bytes)) = previous {
-        let (schema, read) = decode(&path, bytes)?;
-        metadata = schema.metadata().clone();
-        batches.extend(read);
-    }
-    let previous_batches = batches.len();
-    let mut newest = merged_through.to_owned();
-    for (path, bytes) in changes {
-        let (schema, read) = decode(&path, bytes)?;
-        metadata.extend(
-            schema
-                .metadata()
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone())),
-        );
-        for b in read {
-            let b = if merged_through.is_empty() {
-                Some(b)
-            } else {
-                rows_through(&b, merged_through, true)?
-            };
-            if let Some(b) = b {
-                if let Some(max) = string_column(&b, POSITION)?.iter().flatten().max() {
-                    if *max > *newest {
-                        newest = max.to_owned();
-                    }
-                }
-                batches.push(b);
-            }
-        }
-    }
-    let names = |key: &str| -> Vec<String> {
-        metadata
-            .get(key)
-            .map(|k| {
-                k.split(',')
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_owned)
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
-    let key = names(META_KEY);
-    let group = names(META_GROUP);
-    if key.is_empty() {
-        return Err("the change log does not say which columns are the key".into());
-    }
-    // The unified columns: every data column ever written, with its (non-null) type.
-    let mut fields: Vec<Field> = Vec::new();
-    for b in &batches {
-        for f in b.schema().fields() {
-            if f.name() == OP {
-                continue;
-            }
-            match fields.iter_mut().find(|x| x.name() == f.name()) {
-                Some(x) if *x.data_type() == DataType::Null => *x = f.as_ref().clone(),
-                Some(x) if *f.data_type() != DataType::Null && x.data_type() != f.data_type() => {
-                    // A declared type changed in the pipeline file, or types were learned anew
-                    // after the state was deleted: merging would silently null one of them.
-                    return Err(format!(
-                        "column `{}` is {} in some change-log files and {} in others; \
-                         rewrite or remove the older files (or the current state) before compacting",
-                        f.name(),
-                        x.data_type(),
-                        f.data_type()
-                    ));
-                }
-                Some(_) => {}
-                None => fields.push(f.as_ref().clone()),
-            }
-        }
-    }
-    let positions: Vec<&StringArray> = batches
-        .iter()
-        .map(|b| string_column(b, POSITION))
-        .collect::<Result<_, _>>()?;
-    let ops: Vec<Option<&StringArray>> = batches
-        .iter()
-        .enumerate()
-        .map(|(bi, b)| {
-            if bi < previous_batches {
-                Ok(None)
-            } else {
-                string_column(b, OP).map(Some)
-            }
-        })
-        .collect::<Result<_, _>>()?;
-    let columns_of = |names: &[String]| -> Vec<Vec<Option<ArrayRef>>> {
-        batches
-            .iter()
-            .map(|b| names.iter().map(|k| b.column_by_name(k).cloned()).collect())
-            .collect()
-    };
-    // Winners per key (or, in an exploded table, per group): the row with the newest position.
-    let by = columns_of(if group.is_empty() { &key } else { &group });
-    let numbers: Vec<Vec<u128>> = positions
-        .iter()
-        .map(|p| p.iter().map(|t| t.map_or(0, position_number)).collect())
-        .collect();
-    let mut winners: PrehashedMap<(u32, u32)> = PrehashedMap::default();
-    let mut truncated = 0u128;
-    for bi in 0..batches.len() {
-        let op = ops[bi];
-        for r in 0..batches[bi].num_rows() {
-            let position = numbers[bi][r];
-            if op.is_some_and(|o| o.value(r) == "t") {
-                truncated = truncated.max(position);
-                continue;
-            }
-            let k = row_hash(&by[bi], r);
-            match winners.get_mut(&k) {
-                Some((wb, wr)) => {
-                    if numbers[*wb as usize][*wr as usize] < position {
-                        (*wb, *wr) = (bi as u32, r as u32);
-                    }
-                }
-                None => {
-                    winners.insert(k, (bi as u32, r as u32));
-                }
-            }
-        }
-    }
-    let is_upsert = |bi: usize, r: usize| ops[bi].is_none_or(|o| o.value(r) == "u");
-    let mut picked: Vec<(usize, usize)> = Vec::new();
-    if group.is_empty() {
-        picked.extend(
-            winners
-                .into_values()
-                .map(|(b, r)| (b as usize, r as usize))
-                .filter(|&(b, r)| is_upsert(b, r) && numbers[b][r] > truncated),
-        );
-        picked.sort_unstable();
-    } else {
-        // Every upsert row of a group at the group's newest position, each key once (a
-        // replayed file may hold the same change twice).
-        let full = columns_of(&key);
-        let mut seen: PrehashedMap<()> = PrehashedMap::default();
-        for bi in 0..batches.len() {
-            for r in 0..batches[bi].num_rows() {
-                if !is_upsert(bi, r) {
-                    continue;
-                }
-                let position = numbers[bi][r];
-                let Some(&(wb, wr)) = winners.get(&row_hash(&by[bi], r)) else {
-                    continue;
-                };
-                let winning = numbers[wb as usize][wr as usize];
-                if position == winning
-                    && position > truncated
-                    && is_upsert(wb as usize, wr as usize)
-                    && seen.insert(row_hash(&full[bi], r), ()).is_none()
-                {
-                    picked.push((bi, r));
-                }
-            }
-        }
-    }
-    let mut out_metadata: HashMap<String, String> =
-        HashMap::from([(META_KEY.to_owned(), key.join(","))]);
-    if !group.is_empty() {
-        out_metadata.insert(META_GROUP.to_owned(), group.join(","));
-    }
-    out_metadata.insert(META_MERGED_THROUGH.to_owned(), newest.clone());
-    if let Some(v) = metadata.get(encode::META_SCHEMA_VERSION) {
-        out_metadata.insert(encode::META_SCHEMA_VERSION.to_owned(), v.clone());
-    }
-    // Unify every batch to the final columns, then gather the winners.
-    let schema: SchemaRef = Arc::new(Schema::new_with_metadata(fields.clone(), out_metadata));
-    let unified: Vec<RecordBatch> = batches
-        .iter()
-        .map(|b| {
-            let columns: Vec<ArrayRef> = fields
-                .iter()
-                .map(|f| match b.column_by_name(f.name()) {
-                    Some(c) if c.data_type() == f.data_type() => c.clone(),
-                    _ => new_null_array(f.data_type(), b.num_rows()),
-                })
-                .collect();
-            RecordBatch::try_new(schema.clone(), columns).map_err(|e| e.to_string())
-        })
-        .collect::<Result<_, _>>()?;
-    let refs: Vec<&RecordBatch> = unified.iter().collect();
-    let mut out = Vec::new();
-    for chunk in picked.chunks(row_group_rows.max(1)) {
-        out.push(
-            arrow_select::interleave::interleave_record_batch(&refs, chunk)
-                .map_err(|e| e.to_string())?,
-        );
-    }
-    let rows = picked.len();
-    let bytes = write_file(
-        &schema,
-        &out,
-        encode::properties(zstd_level, row_group_rows),
-    )?;
-    Ok(Merged {
-        bytes,
-        rows,
-        through: newest,
-    })
-}
-
-/// A 128-bit FNV-1a hash of a row's values in `columns`: keys are compared by hash, and a
-/// collision among billions of keys is negligible (the data is not adversarial).
-fn row_hash(columns: &[Option<ArrayRef>], row: usize) -> u128 {
-    use arrow_array::cast::AsArray;
-    use arrow_array::types::{Date32Type, Float64Type, Int64Type, TimestampMicrosecondType};
-    const PRIME: u128 = 0x0000_0000_0100_0000_0000_0000_0000_013B;
-    let mut hash: u128 = 0x6c62_272e_07bb_0142_62b8_2175_6295_c58d;
-    let mut feed = |bytes: &[u8], tag: u8| {
-        for &b in std::iter::once(&tag).chain(bytes) {
-            hash ^= u128::from(b);
-            hash = hash.wrapping_mul(PRIME);
-        }
-    };
-    for column in columns {
-        let Some(c) = column else {
-            feed(&[], 0);
-            continue;
-        };
-        if c.is_null(row) {
-            feed(&[], 1);
-            continue;
-        }
-        match c.data_type() {
-            DataType::Utf8 => feed(c.as_string::<i32>().value(row).as_bytes(), 2),
-            DataType::Int64 => feed(&c.as_primitive::<Int64Type>().value(row).to_le_bytes(), 3),
-            DataType::Float64 => feed(&c.as_primitive::<Float64Type>().value(row).to_le_bytes(), 4),
-            DataType::Boolean => feed(&[u8::from(c.as_boolean().value(row))], 5),
-            DataType::Date32 => feed(&c.as_primitive::<Date32Type>().value(row).to_le_bytes(), 6),
-            DataType::Timestamp(..) => feed(
-                &c.as_primitive::<TimestampMicrosecondType>()
-                    .value(row)
-                    .to_le_bytes(),
-                7,
-            ),
-            _ => feed(&[], 8),
-        }
-    }
-    hash
-}
-
-/// Hashes `u128` keys that are hashes already: their low bits are the hash.
-#[derive(Default)]
-struct Prehashed(u64);
-
-impl std::hash::Hasher for Prehashed {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 << 8) | u64::from(b);
-        }
-    }
-    fn write_u128(&mut self, v: u128) {
-        self.0 = v as u64;
-    }
-}
-
-type PrehashedMap<V> = HashMap<u128, V, std::hash::BuildHasherDefault<Prehashed>>;
-
-/// A `_position` text (`{major:020}.{minor:020}`) as one number that sorts the same.
-fn position_number(text: &str) -> u128 {
-    let (major, minor) = text.split_once('.').unwrap_or((text, "0"));
-    (u128::from(major.parse::<u64>().unwrap_or(0)) << 64)
-        | u128::from(minor.parse::<u64>().unwrap_or(0))
 }

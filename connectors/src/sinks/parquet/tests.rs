@@ -1,6 +1,7 @@
 //! Unit tests of the Parquet sink on a local directory: rolling, acknowledgements, replays cut
 //! back to the checkpoint, schema versions, compaction.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use arrow_array::cast::AsArray;
@@ -413,4 +414,98 @@ async fn a_truncate_removes_every_older_row_from_the_current_state() {
         [("b".to_owned(), 1)]
     );
     assert!(rows(&dir.path().join("g/current/part-0.parquet")).is_empty());
+}
+
+/// A change to table `t`: (kind, id, n).
+type Change = (FlatOp, String, i64);
+
+/// A batch of `changes` to table `t` at positions from `seq * 10,000`, applied to
+/// `expected` as well; ids starting with `x` are written with a newer schema (an added column).
+fn changes(seq: u64, expected: &mut BTreeMap<String, i64>, changes: Vec<Change>) -> SinkBatch {
+    let drift = changes.iter().any(|(_, id, _)| id.starts_with('x'));
+    let schema = schema("t", if drift { 2 } else { 1 }, drift, false);
+    let ops = changes
+        .into_iter()
+        .enumerate()
+        .map(|(i, (kind, id, n))| {
+            match kind {
+                FlatOp::Upsert => expected.insert(id.clone(), n),
+                _ => expected.remove(&id),
+            };
+            op(&schema, kind, &id, n, seq * 10_000 + i as u64)
+        })
+        .collect();
+    batch(seq, ops)
+}
+
+#[tokio::test]
+async fn compaction_copies_inputs_whose_rows_all_survive_and_gathers_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path()); // 1,000 rows per row group
+    let mut sink = ParquetSink::new("pq", cfg.clone());
+    sink.open().await.unwrap();
+    let current = dir.path().join("t/current/part-0.parquet");
+    let key = |i: usize| format!("k{i:04}");
+    let mut expected: BTreeMap<String, i64> = BTreeMap::new();
+    let sorted = |e: &BTreeMap<String, i64>| -> Vec<(String, i64)> {
+        e.iter().map(|(k, v)| (k.clone(), *v)).collect()
+    };
+    // (what the step shows, its changes, rows after it, row groups copied)
+    let steps: Vec<(&str, Vec<Change>, u64, u64)> = vec![
+        (
+            "an append-only load: its one file's three row groups are copied",
+            (0..2_500).map(|i| (FlatOp::Upsert, key(i), 1)).collect(),
+            2_500,
+            3,
+        ),
+        (
+            "new keys only: the previous state and the new file are both copied",
+            (2_500..2_510)
+                .map(|i| (FlatOp::Upsert, key(i), 1))
+                .collect(),
+            2_510,
+            4,
+        ),
+        (
+            "an update and a delete: neither input survives whole, both are gathered",
+            vec![(FlatOp::Upsert, key(1), 7), (FlatOp::Delete, key(2), 0)],
+            2_509,
+            0,
+        ),
+        (
+            "a new column: the previous state lacks it (gathered, null there), the new file \
+             has exactly the new columns (copied)",
+            vec![(FlatOp::Upsert, "x1".to_owned(), 5)],
+            2_510,
+            1,
+        ),
+    ];
+    for (seq, (step, list, rows_after, copied)) in steps.into_iter().enumerate() {
+        sink.write(&changes(seq as u64 + 1, &mut expected, list))
+            .await
+            .unwrap();
+        sink.flush().await.unwrap();
+        let report = compact("pq", &cfg).await.unwrap();
+        assert_eq!(
+            (report.rows, report.row_groups_copied),
+            (rows_after, copied),
+            "{step}"
+        );
+        assert_eq!(rows(&current), sorted(&expected), "{step}");
+    }
+    use parquet::file::reader::FileReader;
+    let file =
+        parquet::file::reader::SerializedFileReader::new(std::fs::File::open(&current).unwrap())
+            .unwrap();
+    let groups: Vec<i64> = file
+        .metadata()
+        .row_groups()
+        .iter()
+        .map(|g| g.num_rows())
+        .collect();
+    assert_eq!(
+        groups,
+        [1_000, 1_000, 509, 1],
+        "gathered rows in full row groups, then the copy"
+    );
 }
