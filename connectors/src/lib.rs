@@ -228,6 +228,13 @@ pub trait Source: Send {
     fn progress(&self) -> Option<(u64, u64)> {
         None
     }
+
+    /// Takes back the last chunk `next_chunk` returned, once the runtime is done with it. A
+    /// source that decodes on threads of its own frees the chunk there: the thread that
+    /// allocated it frees it fastest, and its memory is reused for the next chunk.
+    fn recycle(&mut self, items: Vec<SourceItem>) {
+        drop(items);
+    }
 }
 
 /// A source failure.

@@ -4,7 +4,8 @@
 //! its newline, so a checkpoint is exactly where to resume. A reader thread reads chunks that end
 //! at a line boundary and hands them, numbered, to `decode_threads` decode workers; the source
 //! puts the decoded chunks back in order. Bounded queues between the stages are the
-//! backpressure. In follow mode the reader waits at end of file for more lines; a line without
+//! backpressure. Chunks the runtime is done with go back to the worker that decoded them, to be
+//! freed there (see [`Source::recycle`]). In follow mode the reader waits at end of file for more lines; a line without
 //! its newline is only taken as complete at the end of an `--until-caught-up` run.
 
 use std::collections::BTreeMap;
@@ -30,8 +31,14 @@ const CHUNK_BYTES: usize = 1024 * 1024;
 /// Decoded chunks buffered ahead of the runtime.
 const CHANNEL_CHUNKS: usize = 4;
 
-/// A decoded chunk (or the error that ends reading), numbered in file order.
-type Tagged = (u64, Result<Vec<SourceItem>, SourceError>);
+/// A decoded chunk (or the error that ends reading), numbered in file order, with the worker
+/// that decoded it ([`NO_WORKER`] for the reader's error).
+type Tagged = (u64, usize, Result<Vec<SourceItem>, SourceError>);
+
+const NO_WORKER: usize = usize::MAX;
+
+/// How long an idle decode worker waits for work before it frees the chunks returned to it.
+const IDLE_FREE: Duration = Duration::from_millis(100);
 
 /// The file source.
 pub struct FileSource {
@@ -41,9 +48,13 @@ pub struct FileSource {
     done_bytes: Arc<AtomicU64>,
     total_bytes: Arc<AtomicU64>,
     rx: Option<mpsc::Receiver<Tagged>>,
-    /// Chunks decoded ahead of their turn.
-    early: BTreeMap<u64, Result<Vec<SourceItem>, SourceError>>,
+    /// Chunks decoded ahead of their turn, with their worker.
+    early: BTreeMap<u64, (usize, Result<Vec<SourceItem>, SourceError>)>,
     next_seq: u64,
+    /// Per worker: where chunks it decoded go back to be freed.
+    recyclers: Vec<std::sync::mpsc::Sender<Vec<SourceItem>>>,
+    /// The worker of the chunk returned last.
+    last_worker: usize,
 }
 
 impl FileSource {
@@ -59,6 +70,8 @@ impl FileSource {
             rx: None,
             early: BTreeMap::new(),
             next_seq: 0,
+            recyclers: Vec::new(),
+            last_worker: NO_WORKER,
         }
     }
 }
@@ -105,10 +118,15 @@ impl Source for FileSource {
         let (tx, rx) = mpsc::channel(CHANNEL_CHUNKS);
         let (job_tx, job_rx) = std::sync::mpsc::sync_channel::<Job>(threads);
         let job_rx = Arc::new(Mutex::new(job_rx));
+        self.recyclers.clear();
         for i in 0..threads {
+            let (recycle_tx, recycled) = std::sync::mpsc::channel();
+            self.recyclers.push(recycle_tx);
             let worker = Worker {
+                id: i,
                 partition: self.partition.clone(),
                 jobs: job_rx.clone(),
+                recycled,
                 results: tx.clone(),
                 stop: self.stop.clone(),
             };
@@ -151,8 +169,9 @@ impl Source for FileSource {
             return Ok(None);
         };
         loop {
-            if let Some(chunk) = self.early.remove(&self.next_seq) {
+            if let Some((worker, chunk)) = self.early.remove(&self.next_seq) {
                 self.next_seq += 1;
+                self.last_worker = worker;
                 match chunk {
                     Ok(items) if items.is_empty() => continue,
                     Ok(items) => return Ok(Some(items)),
@@ -160,8 +179,8 @@ impl Source for FileSource {
                 }
             }
             match rx.recv().await {
-                Some((seq, chunk)) => {
-                    self.early.insert(seq, chunk);
+                Some((seq, worker, chunk)) => {
+                    self.early.insert(seq, (worker, chunk));
                 }
                 None if self.early.is_empty() => return Ok(None),
                 None => {
@@ -184,6 +203,13 @@ impl Source for FileSource {
             self.total_bytes.load(Ordering::Relaxed),
         ))
     }
+
+    fn recycle(&mut self, items: Vec<SourceItem>) {
+        // A worker that has ended (the file is read) hands the chunk back: it is freed here.
+        if let Some(worker) = self.recyclers.get(self.last_worker) {
+            let _ = worker.send(items);
+        }
+    }
 }
 
 /// A chunk of whole lines for a decode worker.
@@ -194,25 +220,52 @@ struct Job {
     chunk: Bytes,
 }
 
-/// A decode worker: decodes whole chunks with its own decoder (and schema cache).
+/// A decode worker: decodes whole chunks with its own decoder (and schema cache), and frees the
+/// chunks the runtime is done with.
 struct Worker {
+    id: usize,
     partition: Arc<str>,
     jobs: Arc<Mutex<std::sync::mpsc::Receiver<Job>>>,
+    recycled: std::sync::mpsc::Receiver<Vec<SourceItem>>,
     results: mpsc::Sender<Tagged>,
     stop: Arc<AtomicBool>,
 }
 
 impl Worker {
     fn run(self) {
+        use std::sync::mpsc::RecvTimeoutError;
         let mut decoder = DebeziumDecoder::new();
+        // A returned chunk's vector, emptied, holds the next chunk's items.
+        let mut spare: Vec<SourceItem> = Vec::new();
         loop {
             let job = match self.jobs.lock() {
-                Ok(jobs) => jobs.recv(),
+                Ok(jobs) => jobs.recv_timeout(IDLE_FREE),
                 Err(_) => return,
             };
-            let Ok(job) = job else { return };
-            let items = decode_chunk(&mut decoder, &self.partition, &job.chunk, job.base);
-            if self.results.blocking_send((job.seq, Ok(items))).is_err() {
+            for mut old in self.recycled.try_iter() {
+                old.clear();
+                if old.capacity() > spare.capacity() {
+                    spare = old;
+                }
+            }
+            let job = match job {
+                Ok(job) => job,
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => return,
+            };
+            let mut items = std::mem::take(&mut spare);
+            decode_chunk(
+                &mut decoder,
+                &self.partition,
+                &job.chunk,
+                job.base,
+                &mut items,
+            );
+            if self
+                .results
+                .blocking_send((job.seq, self.id, Ok(items)))
+                .is_err()
+            {
                 // The runtime went away: stop reading.
                 self.stop.store(true, Ordering::Relaxed);
                 return;
@@ -221,14 +274,15 @@ impl Worker {
     }
 }
 
-/// Decodes every line of `chunk`; blank lines are skipped.
+/// Decodes every line of `chunk` into `out`; blank lines are skipped.
 fn decode_chunk(
     decoder: &mut DebeziumDecoder,
     partition: &Arc<str>,
     chunk: &Bytes,
     base: u64,
-) -> Vec<SourceItem> {
-    let mut out = Vec::with_capacity(chunk.len() / 256 + 1);
+    out: &mut Vec<SourceItem>,
+) {
+    out.reserve(chunk.len() / 256 + 1);
     let mut start = 0;
     while start < chunk.len() {
         let end = memchr::memchr(b'\n', &chunk[start..]).map_or(chunk.len(), |i| start + i + 1);
@@ -248,7 +302,6 @@ fn decode_chunk(
             raw: chunk.slice(line_start..line_start + text.len()),
         });
     }
-    out
 }
 
 /// The reader thread's state.
@@ -270,7 +323,7 @@ impl Reader {
     fn run(mut self, jobs: std::sync::mpsc::SyncSender<Job>, results: mpsc::Sender<Tagged>) {
         if let Err(e) = self.read_loop(&jobs) {
             // Numbered after every chunk handed out, so it surfaces after them, in order.
-            let _ = results.blocking_send((self.seq, Err(e)));
+            let _ = results.blocking_send((self.seq, NO_WORKER, Err(e)));
         }
     }
 
@@ -430,6 +483,35 @@ mod tests {
         let rest = read_all(&mut source(&path), &checkpoint).await;
         assert_eq!(rest.len(), 20_001);
         assert_eq!(rest[0].raw, line(30_000).as_bytes());
+    }
+
+    #[tokio::test]
+    async fn chunks_given_back_are_freed_by_their_worker_and_never_read_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log.jsonl");
+        let mut f = File::create(&path).unwrap();
+        // ~15 MiB: many more chunks than the queues between reader, workers and runtime hold.
+        for i in 0..300_000 {
+            writeln!(f, "{}", line(i)).unwrap();
+        }
+        drop(f);
+        let mut src = source(&path);
+        let (_tx, rx) = watch::channel(Checkpoint::new());
+        src.start(&Checkpoint::new(), ReadMode::UntilCaughtUp, rx)
+            .await
+            .unwrap();
+        let (mut ids, mut chunks) = (Vec::new(), 0);
+        while let Some(chunk) = src.next_chunk().await.unwrap() {
+            ids.extend(chunk.iter().map(|it| match it.record.as_ref().unwrap() {
+                Record::Change(e) => e.after.as_ref().unwrap()["id"].as_i64().unwrap(),
+                r => panic!("{r:?}"),
+            }));
+            chunks += 1;
+            // The worker empties it and decodes a later chunk into it.
+            src.recycle(chunk);
+        }
+        assert!(chunks > 10, "many chunks, so vectors are reused: {chunks}");
+        assert_eq!(ids, (0..300_000).collect::<Vec<i64>>());
     }
 
     #[tokio::test]

@@ -609,7 +609,7 @@ impl Processor {
                     Some(mut items) => {
                         let now = crate::runtime::now_ms();
                         // Items are handled in place (not moved out one by one: they are
-                        // large) and dropped together with their chunk.
+                        // large), and the chunk goes back to the source to be freed.
                         for item in &mut items {
                             if let Err(e) = self.process(item, now) {
                                 // What came before bad input is written; after a state
@@ -627,6 +627,7 @@ impl Processor {
                         if source.ends_batch() {
                             self.dispatch().await?;
                         }
+                        source.recycle(items);
                     }
                     None => break,
                 },
