@@ -1,5 +1,6 @@
 //! The command line: config errors name file, line and field path; `plan` never prints a secret;
-//! every shipped pipeline validates; the embedded demo runs to completion with no service.
+//! every shipped pipeline validates; the embedded demo runs to completion with no service; the
+//! daemon runs without transparent huge pages.
 
 mod common;
 
@@ -366,4 +367,52 @@ fn the_demo_invalidates_product_keys_in_a_redis_that_answers() {
         left.is_empty(),
         "keys of changed products survived: {left:?}"
     );
+}
+
+/// The daemon turns transparent huge pages off for itself: with them, mimalloc's release and
+/// reuse of memory made the kernel zero whole 2 MiB pages (a tenth of a flatten run's CPU).
+#[test]
+fn the_daemon_runs_without_transparent_huge_pages() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("changes.jsonl");
+    std::fs::write(&log, "").unwrap();
+    let pipeline = dir.path().join("p.toml");
+    std::fs::write(
+        &pipeline,
+        format!(
+            "[pipeline]\nname = \"thp\"\nstate_dir = \"{state}\"\n[source]\nkind = \"file\"\npath = \"{log}\"\n\
+             follow = true\n[projections.replica]\nkind = \"replica\"\nsinks = [\"null\"]\n[sinks.null]\nkind = \"null\"\n",
+            state = dir.path().join("state").display(),
+            log = log.display(),
+        ),
+    )
+    .unwrap();
+    let mut daemon = Running::spawn(
+        refract()
+            .arg("run")
+            .arg(&pipeline)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null()),
+    );
+    let status = format!("/proc/{}/status", daemon.child().id());
+    // The setting is made first thing in main; by the time the state directory exists it is on.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !dir.path().join("state").exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the daemon never started"
+        );
+        assert!(
+            daemon.child().try_wait().unwrap().is_none(),
+            "the daemon ended"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let text = std::fs::read_to_string(&status).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("THP_enabled:"))
+        .expect("this kernel reports THP_enabled in /proc/PID/status");
+    assert_eq!(line.split_whitespace().nth(1), Some("0"), "{line}");
+    daemon.terminate();
 }

@@ -17,6 +17,18 @@ use tokio::sync::watch;
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// Turns transparent huge pages off for this process. mimalloc returns freed memory to the
+/// kernel and takes it again as batches come and go; with huge pages every first touch of a
+/// 2 MiB region zeroes all of it, which took about a tenth of the CPU of a flatten-to-Parquet
+/// run (the kernel's `clear_page`). Databases recommend the same for the same reason.
+fn disable_transparent_huge_pages() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: PR_SET_THP_DISABLE takes plain integer arguments and touches no memory of ours.
+    unsafe {
+        libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
+    }
+}
+
 /// refract keeps read models in sync with an engine of record.
 #[derive(Parser)]
 #[command(version, about, long_about = None)]
@@ -97,6 +109,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    disable_transparent_huge_pages();
     let cli = Cli::parse();
     init_logging(cli.log_format);
     match cli.command {
