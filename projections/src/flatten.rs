@@ -160,6 +160,18 @@ struct Output {
     /// The dotted path each unmapped column was made from: two fields that would flatten to one
     /// name (`a.b` and `a_b`) are a conflict, not a shared column.
     origins: BTreeMap<String, String>,
+    /// Unmapped paths that passed every check before, and where they go: found here, a field
+    /// skips naming and conflict checks. Objects are forgotten whenever columns are added (a
+    /// new column can conflict with an object's name).
+    resolved: FastMap<String, Resolved>,
+}
+
+/// Where an unmapped path goes.
+enum Resolved {
+    /// Into this column.
+    Column(usize),
+    /// It is an object, whose fields are named below this name.
+    Object(String),
 }
 
 /// Learned state of one output, as persisted.
@@ -183,6 +195,8 @@ struct Staged {
     added_objects: Vec<String>,
     /// Unmapped columns this event names for the first time, with their dotted paths.
     added_origins: Vec<(String, String)>,
+    /// Unmapped paths this event resolved.
+    resolved: Vec<(String, Resolved)>,
 }
 
 impl Staged {
@@ -416,6 +430,7 @@ impl FlattenProjection {
                 index,
                 object_paths: BTreeSet::new(),
                 origins: BTreeMap::new(),
+                resolved: FastMap::default(),
             });
         }
         Self {
@@ -571,7 +586,8 @@ impl FlattenProjection {
         event: &ChangeEvent,
         out: &mut Vec<WriteOp>,
     ) -> bool {
-        let changed = !staged.learned.is_empty() || !staged.added.is_empty();
+        let added = !staged.added.is_empty();
+        let changed = !staged.learned.is_empty() || added;
         if changed {
             let mut schema = (*output.schema).clone();
             for (column, ty) in staged.learned {
@@ -586,6 +602,18 @@ impl FlattenProjection {
             schema.version += 1;
             output.schema = Arc::new(schema);
         }
+        if added {
+            // An added column may take an object's name: objects are checked again.
+            output
+                .resolved
+                .retain(|_, r| matches!(r, Resolved::Column(_)));
+        }
+        output.resolved.extend(
+            staged
+                .resolved
+                .into_iter()
+                .filter(|(_, r)| !added || matches!(r, Resolved::Column(_))),
+        );
         output.object_paths.extend(staged.added_objects);
         output.origins.extend(staged.added_origins);
         let width = output.schema.columns.len();
@@ -825,6 +853,7 @@ impl Projection for FlattenProjection {
                 .collect();
             output.object_paths = s.object_paths;
             output.origins = s.origins;
+            output.resolved.clear();
             output.schema = Arc::new(schema);
         }
         Ok(())

@@ -322,3 +322,31 @@ fn unmapped_fields_never_take_a_declared_column_or_share_one() {
         "{error}"
     );
 }
+
+#[test]
+fn an_object_whose_name_a_later_column_takes_is_checked_again() {
+    let mut p = FlattenProjection::new(&shipped());
+    // The object `doc.m_n` is named `m_n` (its field becomes column `m_n_z`) ...
+    let (_, error) = run(
+        &mut p,
+        envelope("c", None, Some(row("o1", doc(1, json!({"m_n": {"z": 1}}))))),
+    );
+    assert_eq!(error, None);
+    // ... then `doc.m.n` takes column `m_n` ...
+    let (_, error) = run(
+        &mut p,
+        envelope("c", None, Some(row("o2", doc(1, json!({"m": {"n": 5}}))))),
+    );
+    assert_eq!(error, None);
+    // ... so the object, seen again, now conflicts with it (however often it was seen before).
+    let (lines, error) = run(
+        &mut p,
+        envelope("c", None, Some(row("o3", doc(1, json!({"m_n": {"z": 2}}))))),
+    );
+    assert_eq!(lines, Vec::<String>::new());
+    let error = error.expect("the object's name is a column now");
+    assert!(
+        error.contains("`doc.m.n` and `doc.m_n` both flatten to column `m_n`"),
+        "{error}"
+    );
+}

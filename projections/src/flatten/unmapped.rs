@@ -6,7 +6,9 @@ use serde_json::{Map, Value};
 use super::schema::{infer, kind, short};
 use refract_schemas::field_path::Step;
 
-use super::{FlatColumn, FlatType, FlatValue, FlattenProjection, Output, Staged, Unmapped};
+use super::{
+    FlatColumn, FlatType, FlatValue, FlattenProjection, Output, Resolved, Staged, Unmapped,
+};
 
 impl FlattenProjection {
     /// Flattens the unmapped fields of `fields` into columns named by their path.
@@ -50,6 +52,17 @@ impl FlattenProjection {
         row: &mut Vec<(usize, FlatValue)>,
         staged: &mut Staged,
     ) -> Result<(), String> {
+        // A path seen before (the usual case) skips naming and conflict checks.
+        match (output.resolved.get(dotted.as_str()), value) {
+            (Some(Resolved::Column(column)), v) if !v.is_object() => {
+                return self.fill(output, *column, value, dotted, row, staged);
+            }
+            (Some(Resolved::Object(below)), Value::Object(inner)) => {
+                let mut below = below.clone();
+                return self.walk(output, u, inner, dotted, &mut below, row, staged);
+            }
+            _ => {}
+        }
         let name = &self.column_name(output, u, dotted, name, staged)?;
         let was_object = output.object_paths.contains(dotted.as_str())
             || staged.added_objects.iter().any(|p| p == dotted);
@@ -65,6 +78,9 @@ impl FlattenProjection {
             }
             // The walk below names the fields from the path, not from a renamed column.
             let mut below = name_of_path(u, dotted);
+            staged
+                .resolved
+                .push((dotted.clone(), Resolved::Object(below.clone())));
             return self.walk(output, u, inner, dotted, &mut below, row, staged);
         }
         if was_object {
@@ -75,10 +91,6 @@ impl FlattenProjection {
                 short(value)
             ));
         }
-        let inferred = match value {
-            Value::Array(_) => FlatValue::Str(value.to_string()),
-            other => infer(other).expect("scalars infer"),
-        };
         let column = match self.column_index(output, name, staged) {
             Some(c) => c,
             None => {
@@ -105,6 +117,27 @@ impl FlattenProjection {
                 staged.added_origins.push((name.clone(), dotted.clone()));
                 count
             }
+        };
+        self.fill(output, column, value, dotted, row, staged)?;
+        staged
+            .resolved
+            .push((dotted.clone(), Resolved::Column(column)));
+        Ok(())
+    }
+
+    /// Puts the scalar or array `value` of unmapped field `dotted` into `column`.
+    fn fill(
+        &self,
+        output: &Output,
+        column: usize,
+        value: &Value,
+        dotted: &str,
+        row: &mut Vec<(usize, FlatValue)>,
+        staged: &mut Staged,
+    ) -> Result<(), String> {
+        let inferred = match value {
+            Value::Array(_) => FlatValue::Str(value.to_string()),
+            other => infer(other).expect("scalars infer"),
         };
         if staged.type_of(output, column) == FlatType::Json {
             if !value.is_array() {
