@@ -320,14 +320,99 @@ impl<'de> Deserialize<'de> for Row {
             }
 
             fn visit_map<A: MapAccess<'de>>(self, mut access: A) -> Result<Row, A::Error> {
-                let mut pairs = Vec::with_capacity(access.size_hint().unwrap_or(0).min(1024));
-                while let Some(pair) = access.next_entry::<String, Value>()? {
-                    pairs.push(pair);
+                let hint = access.size_hint().unwrap_or(0).min(1024);
+                let mut names: Vec<Name<'de>> = Vec::with_capacity(hint);
+                let mut values: Vec<Value> = Vec::with_capacity(hint);
+                while let Some((name, value)) = access.next_entry::<Name<'de>, Value>()? {
+                    names.push(name);
+                    values.push(value);
                 }
-                Ok(Row::from_pairs(pairs))
+                Ok(LAST_SHAPE.with(|last| last.borrow_mut().row(names, values)))
             }
         }
         deserializer.deserialize_map(RowVisitor)
+    }
+}
+
+/// A field name being deserialized: borrowed from the input when the deserializer can.
+struct Name<'a>(std::borrow::Cow<'a, str>);
+
+impl<'de> Deserialize<'de> for Name<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct NameVisitor;
+        impl<'de> Visitor<'de> for NameVisitor {
+            type Value = Name<'de>;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Name<'de>, E> {
+                Ok(Name(v.into()))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Name<'de>, E> {
+                Ok(Name(v.to_owned().into()))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Name<'de>, E> {
+                Ok(Name(v.into()))
+            }
+        }
+        deserializer.deserialize_str(NameVisitor)
+    }
+}
+
+/// Rows that share one [`Columns`] before a decoding thread makes a new copy: few enough that
+/// one reference count is not written by two threads for long (see [`Columns::renewed`]).
+const SHARED_ROWS: u32 = 4096;
+
+thread_local! {
+    /// The field names of the row this thread deserialized last.
+    static LAST_SHAPE: std::cell::RefCell<Shape> = std::cell::RefCell::default();
+}
+
+/// Field names in the order a document gives them, the row's [`Columns`] they make, and where
+/// each column's value is among the fields: consecutive rows of one table (a change log, a
+/// topic) give the same names in the same order, and share one `Columns` instead of allocating
+/// their names again.
+#[derive(Default)]
+struct Shape {
+    given: Vec<String>,
+    columns: Columns,
+    /// For each column, the index of its field in `given`.
+    order: Vec<usize>,
+    rows: u32,
+}
+
+impl Shape {
+    fn row(&mut self, names: Vec<Name<'_>>, mut values: Vec<Value>) -> Row {
+        let same = names.len() == self.given.len()
+            && names.iter().zip(&self.given).all(|(a, b)| a.0 == **b);
+        if same && self.rows < SHARED_ROWS {
+            self.rows += 1;
+            let values = self
+                .order
+                .iter()
+                .map(|&i| std::mem::take(&mut values[i]))
+                .collect();
+            return Row {
+                columns: self.columns.clone(),
+                values,
+            };
+        }
+        let given: Vec<String> = names.into_iter().map(|n| n.0.into_owned()).collect();
+        let row = Row::from_pairs(given.iter().cloned().zip(values).collect());
+        // Only names given once each have one field per column.
+        if row.columns.len() == given.len() {
+            self.order = row
+                .columns
+                .names()
+                .iter()
+                .map(|c| given.iter().position(|g| g == c).expect("a given name"))
+                .collect();
+            self.columns = row.columns.clone();
+            self.given = given;
+            self.rows = 1;
+        }
+        row
     }
 }
 
@@ -417,6 +502,39 @@ mod tests {
         assert_eq!(row["b"], Value::from(2));
         let other = Row::from_columns(columns.renewed(), vec![1.into(), 2.into()]);
         assert_eq!(row, other);
+    }
+
+    #[test]
+    fn rows_deserialized_one_after_another_share_their_names() {
+        let parse = |text: &str| -> Row { serde_json::from_str(text).unwrap() };
+        let rows: Vec<Row> = (0..3)
+            .map(|i| parse(&format!(r#"{{"id":{i},"doc":{{"a":{i}}},"at":"t{i}"}}"#)))
+            .collect();
+        for (i, row) in rows.iter().enumerate() {
+            assert_eq!(row.columns.names(), ["at", "doc", "id"]);
+            assert_eq!(row["id"], Value::from(i));
+            assert_eq!(row["doc"]["a"], Value::from(i));
+            assert_eq!(row["at"], Value::from(format!("t{i}")));
+            assert!(Arc::ptr_eq(&row.columns.0, &rows[0].columns.0), "row {i}");
+        }
+        // Other orders and repeated names still map each value to its column.
+        let reordered = parse(r#"{"at":"x","id":7,"doc":null}"#);
+        assert_eq!(
+            (&reordered["id"], &reordered["at"]),
+            (&Value::from(7), &Value::from("x"))
+        );
+        let twice = parse(r#"{"id":1,"id":2,"at":"y"}"#);
+        assert_eq!(twice.columns.names(), ["at", "id"]);
+        assert_eq!(twice["id"], Value::from(2));
+        assert_eq!(parse(r#"{"id":1,"id":2,"at":"y"}"#)["id"], Value::from(2));
+        // After a while a new copy of the names is made.
+        let first = parse(r#"{"id":0,"doc":0,"at":0}"#);
+        let later = (0..SHARED_ROWS)
+            .map(|i| parse(&format!(r#"{{"id":{i},"doc":0,"at":0}}"#)))
+            .last()
+            .unwrap();
+        assert_eq!(later["id"], Value::from(SHARED_ROWS - 1));
+        assert!(!Arc::ptr_eq(&first.columns.0, &later.columns.0));
     }
 }
 
