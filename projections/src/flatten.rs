@@ -276,7 +276,7 @@ impl<'a> Image<'a> {
                     Some((_, v)) => Some(v),
                     None => row.get(name.as_str()),
                 },
-                Some(p) => values[*p].and_then(|v| v.as_object()?.get(name.as_str())),
+                Some(p) => values[*p].and_then(|v| field(v.as_object()?, name)),
             };
             values.push(value);
         }
@@ -289,11 +289,24 @@ impl<'a> Image<'a> {
     }
 }
 
+/// The field `name` of `object`. A document's objects have few fields: comparing lengths
+/// first, and the bytes only of names as long, is cheaper than the ordered comparisons of the
+/// map's search (which took a tenth of the projection's time).
+fn field<'v>(object: &'v Map<String, Value>, name: &str) -> Option<&'v Value> {
+    if object.len() > 16 {
+        return object.get(name);
+    }
+    object
+        .iter()
+        .find(|(k, _)| k.len() == name.len() && k.as_bytes() == name.as_bytes())
+        .map(|(_, v)| v)
+}
+
 /// The first non-null value at `steps` below `value` (`[]` tries each element in turn).
 fn first<'v>(value: &'v Value, steps: &[Step]) -> Option<&'v Value> {
     match steps.split_first() {
         None => Some(value),
-        Some((Step::Field(f), rest)) => first(value.as_object()?.get(f)?, rest),
+        Some((Step::Field(f), rest)) => first(field(value.as_object()?, f)?, rest),
         Some((Step::Each, rest)) => value
             .as_array()?
             .iter()
