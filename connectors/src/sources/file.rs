@@ -2,18 +2,19 @@
 //!
 //! One partition, named after the configured path. A line's position is the byte offset just past
 //! its newline, so a checkpoint is exactly where to resume. A reader thread reads chunks that end
-//! at a line boundary and hands them, numbered, to `decode_threads` decode workers; the source
-//! puts the decoded chunks back in order. Bounded queues between the stages are the
+//! at a line boundary and hands them, numbered, to `decode_threads` decode workers in turn; the
+//! source puts the decoded chunks back in order. Bounded queues between the stages are the
 //! backpressure. Chunks the runtime is done with go back to the worker that decoded them, to be
-//! freed there (see [`Source::recycle`]). In follow mode the reader waits at end of file for more lines; a line without
-//! its newline is only taken as complete at the end of an `--until-caught-up` run.
+//! freed there (see [`Source::recycle`]). In follow mode the reader waits at end of file for
+//! more lines; a line without its newline is only taken as complete at the end of an
+//! `--until-caught-up` run.
 
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -55,6 +56,8 @@ pub struct FileSource {
     recyclers: Vec<std::sync::mpsc::Sender<Vec<SourceItem>>>,
     /// The worker of the chunk returned last.
     last_worker: usize,
+    /// Chunks given back and freed by the workers.
+    freed: Arc<AtomicU64>,
 }
 
 impl FileSource {
@@ -72,6 +75,7 @@ impl FileSource {
             next_seq: 0,
             recyclers: Vec::new(),
             last_worker: NO_WORKER,
+            freed: Arc::default(),
         }
     }
 }
@@ -116,17 +120,21 @@ impl Source for FileSource {
             n => n,
         };
         let (tx, rx) = mpsc::channel(CHANNEL_CHUNKS);
-        let (job_tx, job_rx) = std::sync::mpsc::sync_channel::<Job>(threads);
-        let job_rx = Arc::new(Mutex::new(job_rx));
+        // Chunks are of one size, so handing them out in turn keeps the workers equally busy;
+        // each worker waits on its own queue, and so can free what comes back while idle.
+        let mut job_txs = Vec::with_capacity(threads);
         self.recyclers.clear();
         for i in 0..threads {
+            let (job_tx, jobs) = std::sync::mpsc::sync_channel::<Job>(1);
+            job_txs.push(job_tx);
             let (recycle_tx, recycled) = std::sync::mpsc::channel();
             self.recyclers.push(recycle_tx);
             let worker = Worker {
                 id: i,
                 partition: self.partition.clone(),
-                jobs: job_rx.clone(),
+                jobs,
                 recycled,
+                freed: self.freed.clone(),
                 results: tx.clone(),
                 stop: self.stop.clone(),
             };
@@ -155,7 +163,7 @@ impl Source for FileSource {
         };
         std::thread::Builder::new()
             .name("file-source".into())
-            .spawn(move || reader.run(job_tx, tx))
+            .spawn(move || reader.run(job_txs, tx))
             .map_err(|e| SourceError::Io {
                 message: "cannot start the reader thread".into(),
                 source: Some(e),
@@ -205,7 +213,7 @@ impl Source for FileSource {
     }
 
     fn recycle(&mut self, items: Vec<SourceItem>) {
-        // A worker that has ended (the file is read) hands the chunk back: it is freed here.
+        // If the worker has ended (the file is read), the send fails and the chunk is freed here.
         if let Some(worker) = self.recyclers.get(self.last_worker) {
             let _ = worker.send(items);
         }
@@ -225,8 +233,9 @@ struct Job {
 struct Worker {
     id: usize,
     partition: Arc<str>,
-    jobs: Arc<Mutex<std::sync::mpsc::Receiver<Job>>>,
+    jobs: std::sync::mpsc::Receiver<Job>,
     recycled: std::sync::mpsc::Receiver<Vec<SourceItem>>,
+    freed: Arc<AtomicU64>,
     results: mpsc::Sender<Tagged>,
     stop: Arc<AtomicBool>,
 }
@@ -238,12 +247,10 @@ impl Worker {
         // A returned chunk's vector, emptied, holds the next chunk's items.
         let mut spare: Vec<SourceItem> = Vec::new();
         loop {
-            let job = match self.jobs.lock() {
-                Ok(jobs) => jobs.recv_timeout(IDLE_FREE),
-                Err(_) => return,
-            };
+            let job = self.jobs.recv_timeout(IDLE_FREE);
             for mut old in self.recycled.try_iter() {
                 old.clear();
+                self.freed.fetch_add(1, Ordering::Relaxed);
                 if old.capacity() > spare.capacity() {
                     spare = old;
                 }
@@ -320,14 +327,14 @@ struct Reader {
 }
 
 impl Reader {
-    fn run(mut self, jobs: std::sync::mpsc::SyncSender<Job>, results: mpsc::Sender<Tagged>) {
+    fn run(mut self, jobs: Vec<std::sync::mpsc::SyncSender<Job>>, results: mpsc::Sender<Tagged>) {
         if let Err(e) = self.read_loop(&jobs) {
             // Numbered after every chunk handed out, so it surfaces after them, in order.
             let _ = results.blocking_send((self.seq, NO_WORKER, Err(e)));
         }
     }
 
-    fn read_loop(&mut self, jobs: &std::sync::mpsc::SyncSender<Job>) -> Result<(), SourceError> {
+    fn read_loop(&mut self, jobs: &[std::sync::mpsc::SyncSender<Job>]) -> Result<(), SourceError> {
         let mut pending = BytesMut::with_capacity(CHUNK_BYTES * 2);
         loop {
             if self.stop.load(Ordering::Relaxed) {
@@ -376,15 +383,18 @@ impl Reader {
         }
     }
 
-    /// Queues a chunk of whole lines for decoding (waiting while the workers are busy).
-    fn hand_out(&mut self, chunk: Bytes, jobs: &std::sync::mpsc::SyncSender<Job>) {
+    /// Queues a chunk of whole lines for the next worker in turn (waiting while it is busy).
+    fn hand_out(&mut self, chunk: Bytes, jobs: &[std::sync::mpsc::SyncSender<Job>]) {
         let len = chunk.len() as u64;
         let job = Job {
             seq: self.seq,
             base: self.offset,
             chunk,
         };
-        if jobs.send(job).is_err() {
+        if jobs[(self.seq % jobs.len() as u64) as usize]
+            .send(job)
+            .is_err()
+        {
             self.stop.store(true, Ordering::Relaxed);
             return;
         }
@@ -512,6 +522,31 @@ mod tests {
         }
         assert!(chunks > 10, "many chunks, so vectors are reused: {chunks}");
         assert_eq!(ids, (0..300_000).collect::<Vec<i64>>());
+    }
+
+    #[tokio::test]
+    async fn an_idle_worker_frees_what_comes_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log.jsonl");
+        std::fs::write(&path, format!("{}\n", line(1))).unwrap();
+        let mut src = source(&path);
+        let (_tx, rx) = watch::channel(Checkpoint::new());
+        src.start(&Checkpoint::new(), ReadMode::Follow, rx)
+            .await
+            .unwrap();
+        let chunk = src.next_chunk().await.unwrap().unwrap();
+        assert_eq!(src.freed.load(Ordering::Relaxed), 0);
+        src.recycle(chunk);
+        // No more lines come: the workers wait, and free the chunk while they do.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while src.freed.load(Ordering::Relaxed) == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the chunk given back was never freed"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        src.stop();
     }
 
     #[tokio::test]
