@@ -442,6 +442,18 @@ mod tests {
         all
     }
 
+    /// A source following a log of one line, started.
+    async fn following_one_line(dir: &std::path::Path) -> (FileSource, std::path::PathBuf) {
+        let path = dir.join("log.jsonl");
+        std::fs::write(&path, format!("{}\n", line(1))).unwrap();
+        let mut src = source(&path);
+        let (_tx, rx) = watch::channel(Checkpoint::new());
+        src.start(&Checkpoint::new(), ReadMode::Follow, rx)
+            .await
+            .unwrap();
+        (src, path)
+    }
+
     fn line(id: usize) -> String {
         format!(r#"{{"after":{{"id":{id}}},"op":"c","source":{{"table":"t"}}}}"#)
     }
@@ -527,13 +539,7 @@ mod tests {
     #[tokio::test]
     async fn an_idle_worker_frees_what_comes_back() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("log.jsonl");
-        std::fs::write(&path, format!("{}\n", line(1))).unwrap();
-        let mut src = source(&path);
-        let (_tx, rx) = watch::channel(Checkpoint::new());
-        src.start(&Checkpoint::new(), ReadMode::Follow, rx)
-            .await
-            .unwrap();
+        let (mut src, _) = following_one_line(dir.path()).await;
         let chunk = src.next_chunk().await.unwrap().unwrap();
         assert_eq!(src.freed.load(Ordering::Relaxed), 0);
         src.recycle(chunk);
@@ -567,13 +573,7 @@ mod tests {
     #[tokio::test]
     async fn follow_mode_sees_appended_lines_and_waits_for_partial_ones() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("log.jsonl");
-        std::fs::write(&path, format!("{}\n", line(1))).unwrap();
-        let mut src = source(&path);
-        let (_tx, rx) = watch::channel(Checkpoint::new());
-        src.start(&Checkpoint::new(), ReadMode::Follow, rx)
-            .await
-            .unwrap();
+        let (mut src, path) = following_one_line(dir.path()).await;
         assert_eq!(src.next_chunk().await.unwrap().unwrap().len(), 1);
         let mut f = std::fs::OpenOptions::new()
             .append(true)
