@@ -28,7 +28,7 @@ use super::{classify, put};
 use crate::SinkError;
 
 /// Rows per record batch when reading.
-const READ_BATCH_ROWS: usize = 64 * 1024;
+pub(super) const READ_BATCH_ROWS: usize = 64 * 1024;
 
 /// What a compaction did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]

@@ -28,11 +28,8 @@ use parquet::column::writer::ColumnCloseResult;
 use parquet::file::metadata::PageIndexPolicy;
 use parquet::file::writer::SerializedFileWriter;
 
-use super::compact::string_column;
+use super::compact::{READ_BATCH_ROWS, string_column};
 use super::encode::{self, META_GROUP, META_KEY, META_MERGED_THROUGH, OP, POSITION};
-
-/// Rows per record batch when reading.
-const READ_BATCH_ROWS: usize = 64 * 1024;
 
 /// A merged current state.
 pub(super) struct Merged {
@@ -62,6 +59,8 @@ struct Control {
     by: Vec<u128>,
     /// Hash of the key columns in an exploded table (empty otherwise).
     full: Vec<u128>,
+    /// The newest position among the change-log rows merged now, as number and text.
+    newest: Option<(u128, String)>,
 }
 
 fn failed(path: &Path) -> impl Fn(parquet::errors::ParquetError) -> String + '_ {
@@ -141,7 +140,14 @@ impl Input {
                     Some(ops) => ops.value(r).bytes().next().unwrap_or(b'u'),
                     None => b'u',
                 };
-                control.position.push(position_number(text));
+                let position = position_number(text);
+                if op != 0
+                    && !self.previous
+                    && control.newest.as_ref().is_none_or(|(n, _)| position > *n)
+                {
+                    control.newest = Some((position, text.to_owned()));
+                }
+                control.position.push(position);
                 control.op.push(op);
                 control.by.push(row_hash(&by_columns, r));
                 if !full.is_empty() {
@@ -237,22 +243,12 @@ pub(super) fn merge(
         .collect::<Result<_, _>>()?;
     let picked = survivors(&controls, !group.is_empty());
 
-    // The newest position merged: the newest row past the previous merge.
-    let mut newest_at: Option<(usize, usize, u128)> = None;
-    for (i, (input, control)) in inputs.iter().zip(&controls).enumerate() {
-        if input.previous {
-            continue;
-        }
-        for (r, (&position, &op)) in control.position.iter().zip(&control.op).enumerate() {
-            if op != 0 && newest_at.is_none_or(|(_, _, p)| position > p) {
-                newest_at = Some((i, r, position));
-            }
-        }
-    }
-    let newest = match newest_at {
-        Some((i, r, _)) => newest_text(&inputs[i], r)?,
-        None => merged_through.to_owned(),
-    };
+    // The newest position merged: the newest change-log row past the previous merge.
+    let newest = controls
+        .iter()
+        .filter_map(|c| c.newest.as_ref())
+        .max_by_key(|(number, _)| *number)
+        .map_or_else(|| merged_through.to_owned(), |(_, text)| text.clone());
 
     let mut out_metadata: HashMap<String, String> =
         HashMap::from([(META_KEY.to_owned(), key.join(","))]);
@@ -289,18 +285,6 @@ pub(super) fn merge(
         through: newest,
         copied,
     })
-}
-
-/// The `_position` text of row `row` of `input` (read again: only the newest is needed).
-fn newest_text(input: &Input, row: usize) -> Result<String, String> {
-    let mut skip = row;
-    for batch in input.read(Some(&[POSITION]))? {
-        if skip < batch.num_rows() {
-            return Ok(string_column(&batch, POSITION)?.value(skip).to_owned());
-        }
-        skip -= batch.num_rows();
-    }
-    Err(format!("{}: row {row} is missing", input.path))
 }
 
 /// Every data column ever written, with its (non-null) type, in first-seen order.
