@@ -387,13 +387,7 @@ fn the_daemon_runs_without_transparent_huge_pages() {
         ),
     )
     .unwrap();
-    let mut daemon = Running::spawn(
-        refract()
-            .arg("run")
-            .arg(&pipeline)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null()),
-    );
+    let mut daemon = quiet_daemon(&pipeline);
     let status = format!("/proc/{}/status", daemon.child().id());
     // The setting is made first thing in main; by the time the state directory exists it is on.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);

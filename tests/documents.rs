@@ -230,13 +230,7 @@ fn a_random_workload_streams_into_documents_that_verify_finds_equal_and_tamperin
         "After the rollback"
     );
 
-    let mut daemon = Running::spawn(
-        refract()
-            .arg("run")
-            .arg(&pipeline)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null()),
-    );
+    let mut daemon = quiet_daemon(&pipeline);
     workload(schema, 0x5eed, 50_000, 0);
     daemon.terminate();
     assert!(daemon.child().wait().unwrap().success());

@@ -522,13 +522,7 @@ fn hundred_rows_to_backfill(dir: &Path, name: &str) -> PathBuf {
 
 /// `refract run` on `file` (pipeline `name`), its output dropped, once it streams from the slot.
 fn streaming_daemon(name: &str, file: &Path) -> Running {
-    let mut daemon = Running::spawn(
-        refract()
-            .arg("run")
-            .arg(file)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null()),
-    );
+    let mut daemon = quiet_daemon(file);
     wait_until_streaming(name, &mut daemon);
     daemon
 }

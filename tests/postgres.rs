@@ -229,13 +229,7 @@ fn a_huge_transaction_killed_halfway_resumes_inside_it() {
     let mut kills = 0;
     let mut checkpoint_inside = false;
     for threshold in [rows / 10, rows * 3 / 10, rows * 11 / 20, rows * 4 / 5] {
-        let mut daemon = Running::spawn(
-            refract()
-                .arg("run")
-                .arg(&pipeline)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null()),
-        );
+        let mut daemon = quiet_daemon(&pipeline);
         let deadline = std::time::Instant::now() + Duration::from_secs(120);
         while count() < threshold && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
@@ -455,15 +449,7 @@ fn the_initial_snapshot_reads_existing_rows_and_resumes_after_sigkill() {
             .as_array()
             .map(|t| t.iter().map(|t| t["rows"].as_u64().unwrap()).sum())
     };
-    let spawn = || {
-        Running::spawn(
-            refract()
-                .arg("run")
-                .arg(&pipeline)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null()),
-        )
-    };
+    let spawn = || quiet_daemon(&pipeline);
     let wait_for = |what: &str, done: &dyn Fn() -> bool| {
         let deadline = std::time::Instant::now() + Duration::from_secs(120);
         while !done() {
@@ -554,13 +540,7 @@ fn the_initial_snapshot_is_consistent_with_writes_during_it() {
     // Updates and deletes run while the first run creates the slot and reads the snapshot.
     let mut load = update_delete_load(name, rows, 200, 8);
     std::thread::sleep(Duration::from_millis(500));
-    let mut daemon = Running::spawn(
-        refract()
-            .arg("run")
-            .arg(&pipeline)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null()),
-    );
+    let mut daemon = quiet_daemon(&pipeline);
     assert!(load.child().wait().unwrap().success(), "pgbench failed");
     daemon.terminate();
     assert!(daemon.child().wait().unwrap().success());

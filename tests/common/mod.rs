@@ -289,6 +289,17 @@ pub fn diff(
 
 /// A running `refract` process that is killed (SIGKILL) if the test ends before it does, so a
 /// failing test never leaves a daemon holding the test runner's output open.
+/// `refract run PIPELINE` as a daemon with its output discarded.
+pub fn quiet_daemon(pipeline: &std::path::Path) -> Running {
+    Running::spawn(
+        refract()
+            .arg("run")
+            .arg(pipeline)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null()),
+    )
+}
+
 pub struct Running(Option<std::process::Child>);
 
 impl Running {

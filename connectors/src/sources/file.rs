@@ -454,6 +454,14 @@ mod tests {
         (src, path)
     }
 
+    /// The `id` of the row a `line` makes.
+    fn id(item: &SourceItem) -> i64 {
+        match item.record.as_ref().unwrap() {
+            Record::Change(e) => e.after.as_ref().unwrap()["id"].as_i64().unwrap(),
+            r => panic!("{r:?}"),
+        }
+    }
+
     fn line(id: usize) -> String {
         format!(r#"{{"after":{{"id":{id}}},"op":"c","source":{{"table":"t"}}}}"#)
     }
@@ -475,13 +483,7 @@ mod tests {
 
         let items = read_all(&mut source(&path), &Checkpoint::new()).await;
         assert_eq!(items.len(), 50_001);
-        let ids: Vec<i64> = items
-            .iter()
-            .map(|it| match it.record.as_ref().unwrap() {
-                Record::Change(e) => e.after.as_ref().unwrap()["id"].as_i64().unwrap(),
-                r => panic!("{r:?}"),
-            })
-            .collect();
+        let ids: Vec<i64> = items.iter().map(id).collect();
         assert!(
             ids.iter().enumerate().all(|(i, id)| i as i64 == *id),
             "order kept"
@@ -524,10 +526,7 @@ mod tests {
             .unwrap();
         let (mut ids, mut chunks) = (Vec::new(), 0);
         while let Some(chunk) = src.next_chunk().await.unwrap() {
-            ids.extend(chunk.iter().map(|it| match it.record.as_ref().unwrap() {
-                Record::Change(e) => e.after.as_ref().unwrap()["id"].as_i64().unwrap(),
-                r => panic!("{r:?}"),
-            }));
+            ids.extend(chunk.iter().map(id));
             chunks += 1;
             // The worker empties it and decodes a later chunk into it.
             src.recycle(chunk);
