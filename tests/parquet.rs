@@ -91,9 +91,33 @@ fn order(id: &str, customer: u32, items: usize, extra: Value) -> Value {
     json!({"id": id, "doc": doc.to_string(), "updated_at": "2026-09-22T10:31:00.000000Z"})
 }
 
-/// Runs the shipped flatten sections over the change log `log` (file source, `max_events` per
-/// batch, `sink_extra` lines in the sink section) into `out`, with its state under `dir`, to
-/// the end; returns the pipeline file.
+/// Writes `dir/p.toml`: the shipped flatten sections over the change log `log` (file source,
+/// followed or read to its end, `max_events` per batch, `sink_extra` lines in the sink section)
+/// into `out`, with its state under `dir`.
+fn file_pipeline(
+    dir: &Path,
+    log: &Path,
+    out: &Path,
+    max_events: usize,
+    sink_extra: &str,
+    follow: bool,
+) -> std::path::PathBuf {
+    let pipeline = dir.join("p.toml");
+    std::fs::write(
+        &pipeline,
+        format!(
+            "[pipeline]\nname = \"flat\"\nstate_dir = \"{}\"\n[pipeline.batch]\nmax_events = {max_events}\n\
+             [source]\nkind = \"file\"\npath = \"{}\"\nfollow = {follow}\n{}",
+            dir.join("state").display(),
+            log.display(),
+            flatten_sections("customer_orders", out, sink_extra)
+        ),
+    )
+    .unwrap();
+    pipeline
+}
+
+/// Runs [`file_pipeline`] (not followed) to the end; returns the pipeline file.
 fn run_from_file(
     dir: &Path,
     log: &Path,
@@ -101,18 +125,7 @@ fn run_from_file(
     max_events: usize,
     sink_extra: &str,
 ) -> std::path::PathBuf {
-    let pipeline = dir.join("p.toml");
-    std::fs::write(
-        &pipeline,
-        format!(
-            "[pipeline]\nname = \"flat\"\nstate_dir = \"{}\"\n[pipeline.batch]\nmax_events = {max_events}\n\
-             [source]\nkind = \"file\"\npath = \"{}\"\nfollow = false\n{}",
-            dir.join("state").display(),
-            log.display(),
-            flatten_sections("customer_orders", out, sink_extra)
-        ),
-    )
-    .unwrap();
+    let pipeline = file_pipeline(dir, log, out, max_events, sink_extra, false);
     let run = output(refract().arg("run").arg(&pipeline));
     assert!(
         run.status.success(),
@@ -120,6 +133,16 @@ fn run_from_file(
         String::from_utf8_lossy(&run.stderr)
     );
     pipeline
+}
+
+/// Runs `refract compact PIPELINE`, which must succeed.
+fn compact(pipeline: &Path) {
+    let run = output(refract().arg("compact").arg(pipeline));
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
 }
 
 /// After a replay: no change is in the change log twice, and the current state of every table
@@ -319,12 +342,7 @@ fn flattened_tables_read_back_with_pyarrow_and_a_type_conflict_is_dead_lettered(
     for t in ["orders", "customers", "order_items"] {
         std::fs::remove_dir_all(out.join(t).join("current")).unwrap();
     }
-    let compact = output(refract().arg("compact").arg(&pipeline));
-    assert!(
-        compact.status.success(),
-        "{}",
-        String::from_utf8_lossy(&compact.stderr)
-    );
+    compact(&pipeline);
     let again = read_back(&out);
     for t in ["orders", "customers", "order_items"] {
         assert_eq!(
@@ -333,6 +351,66 @@ fn flattened_tables_read_back_with_pyarrow_and_a_type_conflict_is_dead_lettered(
             "{t}"
         );
     }
+}
+
+/// `refract compact` beside the pipeline's running daemon would race the daemon's own
+/// compactions to publish `current/`: it refuses, and compacts once the daemon is gone.
+#[test]
+fn compact_refuses_to_run_beside_the_pipelines_daemon() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let log = dir.path().join("changes.jsonl");
+    let lines: Vec<String> = (1..=3)
+        .map(|i| {
+            let id = format!("o{i}");
+            envelope(
+                "c",
+                &id,
+                None,
+                Some(order(&id, i, 2, json!({}))),
+                10 * u64::from(i),
+            )
+        })
+        .collect();
+    write_lines(&log, &lines);
+    // The daemon publishes its change files at once and never compacts by itself.
+    let pipeline = file_pipeline(
+        dir.path(),
+        &log,
+        &out,
+        100,
+        "roll_ms = 100\ncompact_interval_ms = 0",
+        true,
+    );
+    let mut daemon = quiet_daemon(&pipeline);
+    let changes = out.join("orders/changes");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !changes.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the daemon published no change file"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    let refused = output(refract().arg("compact").arg(&pipeline));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success(),
+        "compacted beside the daemon: {stderr}"
+    );
+    assert!(stderr.contains("is running"), "{stderr}");
+    assert!(!out.join("orders/current").exists(), "{stderr}");
+
+    daemon.terminate();
+    assert!(daemon.child().wait().unwrap().success());
+    compact(&pipeline);
+    let result = read_back(&out);
+    assert_eq!(
+        sorted_rows(&result["tables"]["orders"]["current"]).len(),
+        3,
+        "{result}"
+    );
 }
 
 /// Files published by a run that left no checkpoint (killed before its first, or its state

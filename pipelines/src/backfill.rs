@@ -17,7 +17,7 @@ use refract_connectors::{BackfillScope, ReadMode, SourceError};
 use refract_schemas::config::{LoadedPipeline, SourceConfig};
 use tokio::sync::watch;
 
-use crate::checkpoint::{CheckpointError, CheckpointStore};
+use crate::checkpoint::{self, CheckpointError, CheckpointStore};
 use crate::runtime::{self, RunError, RunOptions, RunSummary, state_path};
 
 /// What a backfill did.
@@ -53,7 +53,7 @@ pub async fn run(
         path: state.clone(),
         source,
     })?;
-    let daemon_running = match CheckpointStore::open(&state.join("checkpoint.redb")) {
+    let daemon_running = match CheckpointStore::open(&state.join(checkpoint::FILE)) {
         Ok(store) => {
             drop(store);
             false
@@ -199,7 +199,7 @@ async fn through_daemon(
         if since.elapsed() < DAEMON_GONE_AFTER {
             continue;
         }
-        match CheckpointStore::open(&state.join("checkpoint.redb")) {
+        match CheckpointStore::open(&state.join(checkpoint::FILE)) {
             Ok(store) => {
                 drop(store);
                 bar.abandon();

@@ -10,6 +10,9 @@ use std::path::{Path, PathBuf};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use refract_schemas::{Checkpoint, Offset};
 
+/// The store's file in a pipeline's state directory.
+pub const FILE: &str = "checkpoint.redb";
+
 /// partition name → (offset major, offset minor).
 const CHECKPOINTS: TableDefinition<&str, (u64, u64)> = TableDefinition::new("checkpoints");
 /// projection name → its serialized state (`Projection::take_state`).
@@ -52,6 +55,16 @@ impl CheckpointStore {
             db,
             path: path.to_owned(),
         })
+    }
+
+    /// Opens the store in the state directory `state` if there is one (`None` when no run has
+    /// made it yet): a one-off command holds it, so that no run starts on the state meanwhile.
+    pub fn open_existing(state: &Path) -> Result<Option<Self>, CheckpointError> {
+        let db = state.join(FILE);
+        if !db.exists() {
+            return Ok(None);
+        }
+        Self::open(&db).map(Some)
     }
 
     fn fail(&self, e: impl Into<redb::Error>) -> CheckpointError {

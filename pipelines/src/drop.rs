@@ -46,22 +46,19 @@ pub async fn run(loaded: &LoadedPipeline, yes: bool) -> u8 {
     // The state: refused while a running process holds its checkpoint store. The store stays
     // open (locked) until the state is removed, so no run starts on it meanwhile.
     let state = state_path(c);
-    let db = state.join("checkpoint.redb");
     let mut lock = None;
-    if db.exists() {
-        match CheckpointStore::open(&db) {
-            Ok(store) => lock = Some(store),
-            Err(CheckpointError::InUse(_)) => {
-                eprintln!(
-                    "error: the state of pipeline `{name}` ({}) is in use by a running refract process; \
-                     stop it first. Nothing was dropped.",
-                    state.display()
-                );
-                return EXIT_FAILED;
-            }
-            // A damaged store is no reason to keep it.
-            Err(e) => kept.push(format!("(the checkpoint store is unreadable: {e})")),
+    match CheckpointStore::open_existing(&state) {
+        Ok(store) => lock = store,
+        Err(CheckpointError::InUse(_)) => {
+            eprintln!(
+                "error: the state of pipeline `{name}` ({}) is in use by a running refract process; \
+                 stop it first. Nothing was dropped.",
+                state.display()
+            );
+            return EXIT_FAILED;
         }
+        // A damaged store is no reason to keep it.
+        Err(e) => kept.push(format!("(the checkpoint store is unreadable: {e})")),
     }
 
     // The database: refused while the slot is active.

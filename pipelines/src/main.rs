@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use refract::checkpoint::{CheckpointError, CheckpointStore};
 use refract::runtime::{self, RunError, RunOptions};
 use refract_connectors::{BackfillScope, ReadMode};
 use refract_schemas::config::{self, LoadedPipeline};
@@ -151,6 +152,26 @@ fn main() -> ExitCode {
             ExitCode::from(rt.block_on(refract::drop::run(&loaded, yes)))
         }),
         Command::Compact { pipeline } => with_pipeline(&pipeline, |loaded, rt| {
+            // Held while compacting: a run of the pipeline compacts on its own, and two
+            // compactions of one state would race to publish.
+            let state = runtime::state_path(&loaded.config);
+            let _held = match CheckpointStore::open_existing(&state) {
+                Ok(held) => held,
+                Err(CheckpointError::InUse(_)) => {
+                    eprintln!(
+                        "error: pipeline `{}` is running (its state {} is in use): it rebuilds \
+                         current/ itself, every `compact_interval_ms` and when a run ends; stop it \
+                         to compact now. Nothing was compacted.",
+                        loaded.config.pipeline.name,
+                        state.display()
+                    );
+                    return ExitCode::FAILURE;
+                }
+                Err(e) => {
+                    tracing::warn!("compacting without the pipeline's state: {e}");
+                    None
+                }
+            };
             match rt.block_on(runtime::compact(&loaded.config)) {
                 Ok(reports) if reports.is_empty() => {
                     eprintln!("{}: no parquet sink to compact", pipeline.display());
@@ -162,6 +183,12 @@ fn main() -> ExitCode {
                             "sink `{sink}`: {} table(s) rebuilt, {} rows, {} change file(s) merged ({} row group(s) copied as they were), {} deleted by retention",
                             r.tables, r.rows, r.files_read, r.row_groups_copied, r.files_deleted
                         );
+                        if r.superseded > 0 {
+                            println!(
+                                "sink `{sink}`: {} table(s) left as another compaction published them meanwhile",
+                                r.superseded
+                            );
+                        }
                     }
                     ExitCode::SUCCESS
                 }

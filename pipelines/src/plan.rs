@@ -72,20 +72,18 @@ pub fn render(loaded: &LoadedPipeline, check: &SourceCheck) -> String {
         c.pipeline.name,
         loaded.file.display()
     );
-    let db = state.join("checkpoint.redb");
-    let checkpoint = if !db.exists() {
-        "none yet (starts at the beginning)".to_owned()
-    } else {
-        match CheckpointStore::open(&db).and_then(|store| store.load()) {
-            Ok(cp) if cp.is_empty() => "none yet (starts at the beginning)".to_owned(),
-            Ok(cp) => cp
-                .iter()
-                .map(|(p, o)| format!("{p}@{o}"))
-                .collect::<Vec<_>>()
-                .join(", "),
-            Err(CheckpointError::InUse(_)) => "held by a running refract process".to_owned(),
-            Err(e) => format!("unreadable: {e}"),
-        }
+    let stored = CheckpointStore::open_existing(&state)
+        .and_then(|store| store.map(|s| s.load()).transpose());
+    let checkpoint = match stored {
+        Ok(None) => "none yet (starts at the beginning)".to_owned(),
+        Ok(Some(cp)) if cp.is_empty() => "none yet (starts at the beginning)".to_owned(),
+        Ok(Some(cp)) => cp
+            .iter()
+            .map(|(p, o)| format!("{p}@{o}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        Err(CheckpointError::InUse(_)) => "held by a running refract process".to_owned(),
+        Err(e) => format!("unreadable: {e}"),
     };
     let _ = writeln!(
         out,

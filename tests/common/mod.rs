@@ -287,8 +287,6 @@ pub fn diff(
     out
 }
 
-/// A running `refract` process that is killed (SIGKILL) if the test ends before it does, so a
-/// failing test never leaves a daemon holding the test runner's output open.
 /// `refract run PIPELINE` as a daemon with its output discarded.
 pub fn quiet_daemon(pipeline: &std::path::Path) -> Running {
     Running::spawn(
@@ -300,6 +298,8 @@ pub fn quiet_daemon(pipeline: &std::path::Path) -> Running {
     )
 }
 
+/// A running `refract` process that is killed (SIGKILL) if the test ends before it does, so a
+/// failing test never leaves a daemon holding the test runner's output open.
 pub struct Running(Option<std::process::Child>);
 
 impl Running {

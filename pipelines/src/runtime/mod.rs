@@ -38,7 +38,7 @@ use refract_schemas::event::TxStatus;
 use refract_schemas::{Checkpoint, Offset, Position, Record};
 use tokio::sync::{mpsc, watch};
 
-use crate::checkpoint::{CheckpointError, CheckpointStore};
+use crate::checkpoint::{self, CheckpointError, CheckpointStore};
 use delivery::{Ack, Job, Target};
 use keyed_state::KeyedState;
 pub use summary::RunSummary;
@@ -189,7 +189,7 @@ pub async fn run(
         path: state.clone(),
         source,
     })?;
-    let store = CheckpointStore::open(&state.join("checkpoint.redb"))?;
+    let store = CheckpointStore::open(&state.join(checkpoint::FILE))?;
     let health = Arc::new(status::Health::default());
     if let Some(addr) = &config.pipeline.metrics_addr {
         status::serve(addr, &config.pipeline.name, health.clone()).await;
@@ -447,7 +447,7 @@ pub async fn compact(
     for (name, sink) in &config.sinks {
         if let SinkConfig::Parquet(p) = sink {
             let report = refract_connectors::sinks::parquet::compact(name, p).await?;
-            tracing::info!(sink = %name, tables = report.tables, rows = report.rows, files_read = report.files_read, files_deleted = report.files_deleted, row_groups_copied = report.row_groups_copied, "current state rebuilt");
+            tracing::info!(sink = %name, tables = report.tables, rows = report.rows, files_read = report.files_read, files_deleted = report.files_deleted, row_groups_copied = report.row_groups_copied, superseded = report.superseded, "current state rebuilt");
             reports.push((name.clone(), report));
         }
     }

@@ -8,6 +8,15 @@
 //! published with one atomic PUT, so readers see the old or the new state, never a mix.
 //! Change-log files older than `change_retention_days` that are merged are deleted.
 //!
+//! **Two compactions at once** (the daemon's, and `refract compact` run from another host on
+//! the same store): the one that would publish second checks first that the current state is
+//! still the one it merged from; when another compaction published meanwhile, it leaves that
+//! newer state in place and deletes nothing. Without the check, the slower one put back an
+//! older state, and when the faster one's retention had deleted change files the older state
+//! lacked, their rows were gone from `current/` for good. (On one host, `refract compact`
+//! refuses to run beside the pipeline's daemon.) The check and the PUT are two requests: a
+//! compaction publishing in between them is not seen.
+//!
 //! Memory: see [`merge`](super::merge); inputs are fetched whole before merging.
 
 use std::collections::BTreeMap;
@@ -44,6 +53,9 @@ pub struct CompactReport {
     /// Row groups copied into the current states as they were (inputs whose rows all survive),
     /// without decoding or encoding them again.
     pub row_groups_copied: u64,
+    /// Tables whose current state another compaction published while this one merged: its
+    /// newer state was left in place.
+    pub superseded: u64,
 }
 
 /// A change-log file, from its path.
@@ -225,7 +237,7 @@ pub async fn compact(sink: &str, config: &ParquetSinkConfig) -> Result<CompactRe
     let tables = by_table.into_iter().map(|(table, files)| {
         let (store, root) = (store.clone(), root.clone());
         async move {
-            compact_table(store, &root, &table, &files, config)
+            compact_table(store, &root, &table, &files, config, std::future::ready(()))
                 .await
                 .map_err(|message| SinkError::Transient {
                     sink: sink.to_owned(),
@@ -241,6 +253,7 @@ pub async fn compact(sink: &str, config: &ParquetSinkConfig) -> Result<CompactRe
         report.files_read += r.files_read;
         report.files_deleted += r.files_deleted;
         report.row_groups_copied += r.row_groups_copied;
+        report.superseded += r.superseded;
     }
     Ok(report)
 }
@@ -260,12 +273,15 @@ fn decode(path: &Path, bytes: bytes::Bytes) -> Result<(SchemaRef, Vec<RecordBatc
     Ok((schema, batches))
 }
 
-async fn compact_table(
+/// Rebuilds `current/` of `table` from `files`; `before_publish` runs once the new state is
+/// merged, before it is checked and published (tests publish another state there).
+pub(super) async fn compact_table(
     store: Arc<dyn ObjectStore>,
     root: &Path,
     table: &str,
     files: &[ChangeFile],
     config: &ParquetSinkConfig,
+    before_publish: impl std::future::Future<Output = ()>,
 ) -> Result<CompactReport, String> {
     let mut report = CompactReport::default();
     let current = root
@@ -273,9 +289,16 @@ async fn compact_table(
         .join(table)
         .join("current")
         .join("part-0.parquet");
-    let previous = match store.get(&current).await {
-        Ok(r) => Some(r.bytes().await.map_err(|e| e.to_string())?),
-        Err(object_store::Error::NotFound { .. }) => None,
+    // The state merged from, and which version of the object it was.
+    let (previous, merged_from) = match store.get(&current).await {
+        Ok(r) => {
+            let meta = r.meta.clone();
+            (
+                Some(r.bytes().await.map_err(|e| e.to_string())?),
+                Some(meta),
+            )
+        }
+        Err(object_store::Error::NotFound { .. }) => (None, None),
         Err(e) => return Err(e.to_string()),
     };
     // What the previous state merged is known from its footer: read it before fetching the log.
@@ -321,6 +344,16 @@ async fn compact_table(
     })
     .await
     .map_err(|e| format!("the merge task failed: {e}"))??;
+    before_publish.await;
+    if overtaken(&*store, &current, merged_from.as_ref()).await? {
+        tracing::warn!(
+            table,
+            "another compaction published the current state while this one merged: its newer \
+             state is kept, and this one's result dropped"
+        );
+        report.superseded = 1;
+        return Ok(report);
+    }
     put(&*store, &current, merged.bytes)
         .await
         .map_err(|e| e.to_string())?;
@@ -344,6 +377,24 @@ async fn compact_table(
     );
     report.files_deleted = retain(&*store, files, config, &merged.through).await?;
     Ok(report)
+}
+
+/// Whether the object at `current` is no longer the one merged from (`merged_from`, `None` when
+/// there was none): another compaction published since. A state deleted meanwhile is not newer.
+async fn overtaken(
+    store: &dyn ObjectStore,
+    current: &Path,
+    merged_from: Option<&object_store::ObjectMeta>,
+) -> Result<bool, String> {
+    let now = match store.head(current).await {
+        Ok(meta) => meta,
+        Err(object_store::Error::NotFound { .. }) => return Ok(false),
+        Err(e) => return Err(e.to_string()),
+    };
+    Ok(merged_from.is_none_or(|then| {
+        (&then.e_tag, &then.version, then.last_modified, then.size)
+            != (&now.e_tag, &now.version, now.last_modified, now.size)
+    }))
 }
 
 /// Deletes the change-log files older than `change_retention_days` (by date partition) that

@@ -330,24 +330,32 @@ async fn compaction_keeps_the_newest_row_per_key_and_the_newest_group() {
     );
 }
 
-#[tokio::test]
-async fn retention_deletes_merged_change_files_older_than_the_limit() {
-    let dir = tempfile::tempdir().unwrap();
+/// An open sink in `dir` that keeps change files for 30 days, and its config.
+async fn sink_with_retention(dir: &std::path::Path) -> (ParquetSinkConfig, ParquetSink) {
     let cfg = ParquetSinkConfig {
         change_retention_days: 30,
-        ..config(dir.path())
+        ..config(dir)
     };
     let mut sink = ParquetSink::new("pq", cfg.clone());
     sink.open().await.unwrap();
+    (cfg, sink)
+}
+
+/// An upsert of `id` (n = 1) at `pos`, committed `days_ago` days ago.
+fn upsert_days_ago(s: &Arc<FlatSchema>, id: &str, pos: u64, days_ago: i64) -> WriteOp {
+    let mut op = op(s, FlatOp::Upsert, id, 1, pos);
+    if let WriteOp::Flat { change, .. } = &mut op {
+        change.commit_ts_ms = Some(chrono::Utc::now().timestamp_millis() - days_ago * 86_400_000);
+    }
+    op
+}
+
+#[tokio::test]
+async fn retention_deletes_merged_change_files_older_than_the_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, mut sink) = sink_with_retention(dir.path()).await;
     let s = schema("t", 1, false, false);
-    let at = |id: &str, pos: u64, days_ago: i64| {
-        let mut op = op(&s, FlatOp::Upsert, id, 1, pos);
-        if let WriteOp::Flat { change, .. } = &mut op {
-            change.commit_ts_ms =
-                Some(chrono::Utc::now().timestamp_millis() - days_ago * 86_400_000);
-        }
-        op
-    };
+    let at = |id: &str, pos: u64, days_ago: i64| upsert_days_ago(&s, id, pos, days_ago);
     sink.write(&batch(1, vec![at("old", 10, 40), at("new", 20, 1)]))
         .await
         .unwrap();
@@ -508,4 +516,46 @@ async fn compaction_copies_inputs_whose_rows_all_survive_and_gathers_the_others(
         [1_000, 1_000, 509, 1],
         "gathered rows in full row groups, then the copy"
     );
+}
+
+#[tokio::test]
+async fn a_compaction_overtaken_by_another_keeps_the_newer_state_and_deletes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, mut sink) = sink_with_retention(dir.path()).await;
+    let s = schema("t", 1, false, false);
+    // Change files of one commit day long past retention, so that a compaction that merged
+    // them deletes them.
+    let old = |id: &str, pos: u64| upsert_days_ago(&s, id, pos, 40);
+    sink.write(&batch(1, vec![old("a", 10)])).await.unwrap();
+    sink.flush().await.unwrap();
+    let (store, root) = open_store(&cfg.url).unwrap();
+    let slow_files = compact::list_change_files(&*store, &root, Some("t"))
+        .await
+        .unwrap();
+    // While the slow compaction merges `a`, another one merges `a` and `b`, publishes, and
+    // deletes both change files by retention.
+    let overtaking = async {
+        sink.write(&batch(2, vec![old("b", 20)])).await.unwrap();
+        sink.flush().await.unwrap();
+        let fast = compact("pq", &cfg).await.unwrap();
+        assert_eq!((fast.rows, fast.files_deleted), (2, 2), "{fast:?}");
+    };
+    let slow = compact::compact_table(store, &root, "t", &slow_files, &cfg, overtaking)
+        .await
+        .unwrap();
+    assert_eq!((slow.superseded, slow.files_deleted), (1, 0), "{slow:?}");
+    // `b` lives only in the current state now: the slow compaction's older state would have
+    // lost it for good.
+    let current = dir.path().join("t/current/part-0.parquet");
+    assert_eq!(rows(&current), [("a".to_owned(), 1), ("b".to_owned(), 1)]);
+    assert_eq!(files(dir.path()), ["t/current/part-0.parquet"]);
+
+    // A compaction nobody overtakes publishes as before, over the state it merged from.
+    sink.write(&batch(3, vec![op(&s, FlatOp::Upsert, "c", 1, 30)]))
+        .await
+        .unwrap();
+    sink.flush().await.unwrap();
+    let report = compact("pq", &cfg).await.unwrap();
+    assert_eq!((report.superseded, report.rows), (0, 3), "{report:?}");
+    assert_eq!(rows(&current).len(), 3);
 }
