@@ -1,0 +1,299 @@
+//! The Parquet sink on S3: a real S3-protocol server (moto, installed by scripts/test) behind a
+//! TCP proxy the test takes down and brings back, as an outage of the store. The daemon starts
+//! while the store is down, rides out an outage under a stream of changes, and is killed
+//! (SIGKILL) during a second one; after a catch-up run the current state read back with pyarrow
+//! equals the change log, with no change twice in the log.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::cache::free_port;
+use common::parquet::*;
+use common::*;
+use serde_json::json;
+
+const BUCKET: &str = "lake";
+
+/// A TCP proxy on `port` in front of `target`. Down, it answers every request `503 Service
+/// Unavailable` (counted in `refused`) and cuts the connections it was forwarding; up again, it
+/// forwards as before. The server behind it keeps its state (moto keeps buckets in memory:
+/// stopping it would lose them).
+struct Proxy {
+    port: u16,
+    up: Arc<AtomicBool>,
+    refused: Arc<AtomicUsize>,
+}
+
+impl Proxy {
+    /// A proxy that starts down.
+    fn new(target: u16) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (up, refused) = (Arc::new(AtomicBool::new(false)), Arc::default());
+        let (serving, counting) = (up.clone(), Arc::clone(&refused));
+        std::thread::spawn(move || serve(&listener, target, &serving, &counting));
+        Self { port, up, refused }
+    }
+
+    fn set_up(&self, up: bool) {
+        self.up.store(up, Ordering::SeqCst);
+        // The serving thread notices within a poll.
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    fn refused(&self) -> usize {
+        self.refused.load(Ordering::SeqCst)
+    }
+}
+
+fn serve(listener: &TcpListener, target: u16, up: &AtomicBool, refused: &AtomicUsize) {
+    listener.set_nonblocking(true).unwrap();
+    let mut forwarding: Vec<TcpStream> = Vec::new();
+    loop {
+        if !up.load(Ordering::SeqCst) {
+            for stream in forwarding.drain(..) {
+                let _ = stream.shutdown(Shutdown::Both);
+            }
+        }
+        let Ok((client, _)) = listener.accept() else {
+            std::thread::sleep(Duration::from_millis(5));
+            continue;
+        };
+        client.set_nonblocking(false).unwrap();
+        if !up.load(Ordering::SeqCst) {
+            refused.fetch_add(1, Ordering::SeqCst);
+            std::thread::spawn(move || unavailable(client));
+            continue;
+        }
+        let Ok(server) = TcpStream::connect(("127.0.0.1", target)) else {
+            continue;
+        };
+        forwarding.extend([client.try_clone().unwrap(), server.try_clone().unwrap()]);
+        pipe(client.try_clone().unwrap(), server.try_clone().unwrap());
+        pipe(server, client);
+    }
+}
+
+/// Reads a request's head and answers 503.
+fn unavailable(mut client: TcpStream) {
+    client
+        .set_read_timeout(Some(Duration::from_secs(1)))
+        .unwrap();
+    let mut head = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match client.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    let _ = client.write_all(
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    );
+    let _ = client.shutdown(Shutdown::Both);
+}
+
+/// Copies `from` into `to` on a thread of its own until either side closes.
+fn pipe(mut from: TcpStream, mut to: TcpStream) {
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut from, &mut to);
+        let _ = to.shutdown(Shutdown::Write);
+    });
+}
+
+/// moto's S3 server on `port`, with the bucket made; killed when dropped.
+fn s3_server(port: u16) -> Running {
+    let server = Running::spawn(
+        Command::new("python3")
+            .args([
+                "-m",
+                "moto.server",
+                "-H",
+                "127.0.0.1",
+                "-p",
+                &port.to_string(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "moto did not start on {port}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    boto3(port, &format!("s3.create_bucket(Bucket='{BUCKET}')"));
+    server
+}
+
+/// Runs `code` with `s3`, a boto3 client of the server on `port`.
+fn boto3(port: u16, code: &str) {
+    let script = format!(
+        "import boto3, os, sys\n\
+         s3 = boto3.client('s3', endpoint_url='http://127.0.0.1:{port}', aws_access_key_id='test', \
+         aws_secret_access_key='test', region_name='us-east-1')\n{code}\n"
+    );
+    let run = output(Command::new("python3").arg("-c").arg(script));
+    assert!(
+        run.status.success(),
+        "boto3: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
+
+/// The sink's credentials and endpoint, from the environment as users give them.
+fn s3_env(cmd: &mut Command, port: u16) -> &mut Command {
+    cmd.env("AWS_ENDPOINT", format!("http://127.0.0.1:{port}"))
+        .env("AWS_ALLOW_HTTP", "true")
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .env("AWS_REGION", "us-east-1")
+}
+
+/// Changes `from..to` of a deterministic stream of orders: creates, updates (a new status and
+/// items) and deletes, at positions 10 apart; `live` is kept as the orders' state after them:
+/// order id → (status, total, item skus), as [`parquet_orders`] reads it back.
+fn changes(
+    from: u64,
+    to: u64,
+    live: &mut BTreeMap<String, (String, i64, Vec<String>)>,
+) -> Vec<String> {
+    (from..to)
+        .map(|step| {
+            // Each 200 changes over 150 orders of their own: what a lost change did is not
+            // written over by a later stretch.
+            let id = format!("o{}", step * 7 % 150 + 1 + 150 * (step / 200));
+            let lsn = 10 * (step + 1);
+            if live.contains_key(&id) && step % 5 == 0 {
+                live.remove(&id);
+                return envelope("d", &id, Some(json!({"id": id})), None, lsn);
+            }
+            let items = (step % 4 + 1) as usize;
+            let status = format!("s{step}");
+            let row = order(&id, (step % 40) as u32, items, json!({"status": status}));
+            let skus = (0..items).map(|i| format!("sku-{i}")).collect();
+            let op = if live.contains_key(&id) { "u" } else { "c" };
+            live.insert(id.clone(), (status, 100 * items as i64, skus));
+            envelope(op, &id, None, Some(row), lsn)
+        })
+        .collect()
+}
+
+fn append(log: &Path, lines: &[String]) {
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(log)
+        .unwrap();
+    for line in lines {
+        writeln!(file, "{line}").unwrap();
+    }
+}
+
+#[test]
+fn parquet_on_s3_rides_out_a_store_outage_and_current_equals_the_log() {
+    let s3_port = free_port();
+    let _server = s3_server(s3_port);
+    let proxy = Proxy::new(s3_port);
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("changes.jsonl");
+    let mut live = BTreeMap::new();
+    append(&log, &changes(0, 200, &mut live));
+    // Files every 200 ms and a compaction every second: both meet the outage.
+    let local = dir.path().join("unused");
+    let pipeline = file_pipeline(
+        dir.path(),
+        &log,
+        &local,
+        50,
+        "roll_ms = 200\ncompact_interval_ms = 1000",
+        true,
+    );
+    let text = std::fs::read_to_string(&pipeline).unwrap().replace(
+        &format!("file://{}", local.display()),
+        &format!("s3://{BUCKET}/analytics"),
+    );
+    std::fs::write(&pipeline, text).unwrap();
+
+    // The store is down when the daemon starts.
+    let daemon_log = dir.path().join("daemon.log");
+    let mut daemon = Running::spawn(
+        s3_env(refract().arg("run").arg(&pipeline), proxy.port)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&daemon_log).unwrap()),
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let mut refused = proxy.refused();
+    assert!(
+        refused > 0,
+        "the daemon sent nothing while the store was down"
+    );
+    proxy.set_up(true);
+    // Down again under a stream of changes, twice: the daemon rides out the first outage and is
+    // killed (SIGKILL) during the second, with what it read since unpublished.
+    for (from, to, kill) in [(200, 400, false), (400, 600, true)] {
+        std::thread::sleep(Duration::from_millis(1500));
+        proxy.set_up(false);
+        append(&log, &changes(from, to, &mut live));
+        std::thread::sleep(Duration::from_secs(2));
+        assert!(
+            proxy.refused() > refused,
+            "the daemon sent nothing during the outage"
+        );
+        refused = proxy.refused();
+        if kill {
+            daemon.child().kill().unwrap();
+            daemon.child().wait().unwrap();
+        }
+        proxy.set_up(true);
+    }
+    append(&log, &changes(600, 800, &mut live));
+    let logged = std::fs::read_to_string(&daemon_log).unwrap();
+    assert!(
+        !logged.contains("ERROR") && !logged.contains("panicked"),
+        "{logged}"
+    );
+
+    // The restart replays what the killed daemon left unpublished; then the bucket is read back.
+    let run = output(s3_env(
+        refract().arg("run").arg(&pipeline).arg("--until-caught-up"),
+        proxy.port,
+    ));
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let copy = dir.path().join("copy");
+    boto3(
+        s3_port,
+        &format!(
+            "for page in s3.get_paginator('list_objects_v2').paginate(Bucket='{BUCKET}', Prefix='analytics/'):\n\
+             \x20   for o in page.get('Contents', []):\n\
+             \x20       path = os.path.join('{}', o['Key'][len('analytics/'):])\n\
+             \x20       os.makedirs(os.path.dirname(path), exist_ok=True)\n\
+             \x20       s3.download_file('{BUCKET}', o['Key'], path)",
+            copy.display()
+        ),
+    );
+    let result = read_back(&copy);
+    assert_eq!(result["bad_files"], json!([]), "{result}");
+    for t in ["orders", "customers", "order_items"] {
+        assert_eq!(
+            result["tables"][t]["duplicate_changes"], 0,
+            "{t}: a change is in the log twice"
+        );
+    }
+    assert_eq!(
+        parquet_orders(&result),
+        live,
+        "current/ against the change log"
+    );
+}
