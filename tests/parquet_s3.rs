@@ -197,6 +197,55 @@ fn append(log: &Path, lines: &[String]) {
     }
 }
 
+/// A bucket that does not exist is retried (it may be on its way), and the log says why:
+/// the store's answer, not only what refract was doing.
+#[test]
+fn a_missing_bucket_is_named_in_the_log() {
+    let s3_port = free_port();
+    let _server = s3_server(s3_port);
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("changes.jsonl");
+    append(&log, &changes(0, 10, &mut BTreeMap::new()));
+    let pipeline = s3_pipeline(dir.path(), &log, "no-such-bucket");
+    let stderr = dir.path().join("daemon.log");
+    let mut daemon = Running::spawn(
+        s3_env(refract().arg("run").arg(&pipeline), s3_port)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&stderr).unwrap()),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let logged = std::fs::read_to_string(&stderr).unwrap();
+        if logged.contains("open failed, retrying") {
+            assert!(logged.contains("NoSuchBucket"), "{logged}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "no retry logged: {logged}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(daemon.child().try_wait().unwrap().is_none(), "it gave up");
+}
+
+/// `dir/p.toml`: the shipped flatten sections over `log` (followed) into `s3://{bucket}/analytics`,
+/// publishing files every 200 ms and compacting every second.
+fn s3_pipeline(dir: &Path, log: &Path, bucket: &str) -> std::path::PathBuf {
+    let local = dir.join("unused");
+    let pipeline = file_pipeline(
+        dir,
+        log,
+        &local,
+        50,
+        "roll_ms = 200\ncompact_interval_ms = 1000",
+        true,
+    );
+    let text = std::fs::read_to_string(&pipeline).unwrap().replace(
+        &format!("file://{}", local.display()),
+        &format!("s3://{bucket}/analytics"),
+    );
+    std::fs::write(&pipeline, text).unwrap();
+    pipeline
+}
+
 #[test]
 fn parquet_on_s3_rides_out_a_store_outage_and_current_equals_the_log() {
     let s3_port = free_port();
@@ -207,20 +256,7 @@ fn parquet_on_s3_rides_out_a_store_outage_and_current_equals_the_log() {
     let mut live = BTreeMap::new();
     append(&log, &changes(0, 200, &mut live));
     // Files every 200 ms and a compaction every second: both meet the outage.
-    let local = dir.path().join("unused");
-    let pipeline = file_pipeline(
-        dir.path(),
-        &log,
-        &local,
-        50,
-        "roll_ms = 200\ncompact_interval_ms = 1000",
-        true,
-    );
-    let text = std::fs::read_to_string(&pipeline).unwrap().replace(
-        &format!("file://{}", local.display()),
-        &format!("s3://{BUCKET}/analytics"),
-    );
-    std::fs::write(&pipeline, text).unwrap();
+    let pipeline = s3_pipeline(dir.path(), &log, BUCKET);
 
     // The store is down when the daemon starts.
     let daemon_log = dir.path().join("daemon.log");

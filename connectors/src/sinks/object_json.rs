@@ -91,6 +91,8 @@ pub(crate) fn classify(sink: &str, message: String, e: object_store::Error) -> S
             | E::NotImplemented { .. }
             | E::UnknownConfigurationKey { .. }
     );
+    // The cause goes into the message: it is what the log line shows.
+    let message = format!("{message}: {e}");
     let source = Some(Box::new(e) as Box<dyn std::error::Error + Send + Sync>);
     if permanent {
         SinkError::Permanent {
