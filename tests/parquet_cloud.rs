@@ -1,8 +1,11 @@
-//! The Parquet sink on S3: a real S3-protocol server (moto, installed by scripts/test) behind a
-//! TCP proxy the test takes down and brings back, as an outage of the store. The daemon starts
-//! while the store is down, rides out an outage under a stream of changes, and is killed
-//! (SIGKILL) during a second one; after a catch-up run the current state read back with pyarrow
-//! equals the change log, with no change twice in the log.
+//! The Parquet sink on cloud object stores, each a real server of its protocol installed by
+//! scripts/test: S3 (moto, from PyPI) and Azure Blob Storage (Azurite, from npm).
+//!
+//! On S3 the server sits behind a TCP proxy the test takes down and brings back, as an outage of
+//! the store. The daemon starts while the store is down, rides out an outage under a stream of
+//! changes, and is killed (SIGKILL) during a second one; after a catch-up run the current state
+//! read back with pyarrow equals the change log, with no change twice in the log. On Azure, two
+//! runs (the second compacting over the first's current state) give the same.
 
 mod common;
 
@@ -111,41 +114,85 @@ fn pipe(mut from: TcpStream, mut to: TcpStream) {
 
 /// moto's S3 server on `port`, with the bucket made; killed when dropped.
 fn s3_server(port: u16) -> Running {
-    let server = Running::spawn(
-        Command::new("python3")
+    let server = listening(
+        port,
+        Command::new("python3").args(["-m", "moto.server", "-H", "127.0.0.1", "-p"]),
+    );
+    boto3(port, &format!("s3.create_bucket(Bucket='{BUCKET}')"));
+    server
+}
+
+/// Azurite's blob service on `port`, with the container made; killed when dropped.
+fn azurite(port: u16) -> Running {
+    let server = listening(
+        port,
+        Command::new("azurite-blob")
+            .args(["--inMemoryPersistence", "--disableTelemetry"])
             .args([
-                "-m",
-                "moto.server",
-                "-H",
+                "--skipApiVersionCheck",
+                "--blobHost",
                 "127.0.0.1",
-                "-p",
-                &port.to_string(),
-            ])
+                "--blobPort",
+            ]),
+    );
+    azure_blob(port, &format!("blobs.create_container('{BUCKET}')"));
+    server
+}
+
+/// Starts `server` with `port` as its last argument, its output discarded, and waits until it
+/// listens there.
+fn listening(port: u16, server: &mut Command) -> Running {
+    let what = format!("{server:?}");
+    let running = Running::spawn(
+        server
+            .arg(port.to_string())
             .stdout(Stdio::null())
             .stderr(Stdio::null()),
     );
     let deadline = Instant::now() + Duration::from_secs(60);
     while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "moto did not start on {port}");
+        assert!(Instant::now() < deadline, "{what} did not start");
         std::thread::sleep(Duration::from_millis(100));
     }
-    boto3(port, &format!("s3.create_bucket(Bucket='{BUCKET}')"));
-    server
+    running
+}
+
+/// Runs `code` with `blobs`, an azure-storage-blob client of Azurite on `port` (its well-known
+/// development account).
+fn azure_blob(port: u16, code: &str) {
+    python(&format!(
+        "import os\n\
+         from azure.storage.blob import BlobServiceClient\n\
+         blobs = BlobServiceClient.from_connection_string('DefaultEndpointsProtocol=http;\
+         AccountName=devstoreaccount1;AccountKey=Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==;\
+         BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;')\n{code}\n"
+    ));
+}
+
+fn python(script: &str) {
+    let run = output(Command::new("python3").arg("-c").arg(script));
+    assert!(
+        run.status.success(),
+        "python: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
+
+/// The sink's emulator switch and address, from the environment as users give them.
+fn azure_env(cmd: &mut Command, port: u16) -> &mut Command {
+    cmd.env("AZURE_STORAGE_USE_EMULATOR", "true").env(
+        "AZURITE_BLOB_STORAGE_URL",
+        format!("http://127.0.0.1:{port}"),
+    )
 }
 
 /// Runs `code` with `s3`, a boto3 client of the server on `port`.
 fn boto3(port: u16, code: &str) {
-    let script = format!(
+    python(&format!(
         "import boto3, os, sys\n\
          s3 = boto3.client('s3', endpoint_url='http://127.0.0.1:{port}', aws_access_key_id='test', \
          aws_secret_access_key='test', region_name='us-east-1')\n{code}\n"
-    );
-    let run = output(Command::new("python3").arg("-c").arg(script));
-    assert!(
-        run.status.success(),
-        "boto3: {}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    ));
 }
 
 /// The sink's credentials and endpoint, from the environment as users give them.
@@ -206,7 +253,7 @@ fn a_missing_bucket_is_named_in_the_log() {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("changes.jsonl");
     append(&log, &changes(0, 10, &mut BTreeMap::new()));
-    let pipeline = s3_pipeline(dir.path(), &log, "no-such-bucket");
+    let pipeline = cloud_pipeline(dir.path(), &log, "s3://no-such-bucket/analytics");
     let stderr = dir.path().join("daemon.log");
     let mut daemon = Running::spawn(
         s3_env(refract().arg("run").arg(&pipeline), s3_port)
@@ -226,9 +273,9 @@ fn a_missing_bucket_is_named_in_the_log() {
     assert!(daemon.child().try_wait().unwrap().is_none(), "it gave up");
 }
 
-/// `dir/p.toml`: the shipped flatten sections over `log` (followed) into `s3://{bucket}/analytics`,
-/// publishing files every 200 ms and compacting every second.
-fn s3_pipeline(dir: &Path, log: &Path, bucket: &str) -> std::path::PathBuf {
+/// `dir/p.toml`: the shipped flatten sections over `log` (followed) into `url`, publishing files
+/// every 200 ms and compacting every second.
+fn cloud_pipeline(dir: &Path, log: &Path, url: &str) -> std::path::PathBuf {
     let local = dir.join("unused");
     let pipeline = file_pipeline(
         dir,
@@ -238,10 +285,9 @@ fn s3_pipeline(dir: &Path, log: &Path, bucket: &str) -> std::path::PathBuf {
         "roll_ms = 200\ncompact_interval_ms = 1000",
         true,
     );
-    let text = std::fs::read_to_string(&pipeline).unwrap().replace(
-        &format!("file://{}", local.display()),
-        &format!("s3://{bucket}/analytics"),
-    );
+    let text = std::fs::read_to_string(&pipeline)
+        .unwrap()
+        .replace(&format!("file://{}", local.display()), url);
     std::fs::write(&pipeline, text).unwrap();
     pipeline
 }
@@ -256,7 +302,7 @@ fn parquet_on_s3_rides_out_a_store_outage_and_current_equals_the_log() {
     let mut live = BTreeMap::new();
     append(&log, &changes(0, 200, &mut live));
     // Files every 200 ms and a compaction every second: both meet the outage.
-    let pipeline = s3_pipeline(dir.path(), &log, BUCKET);
+    let pipeline = cloud_pipeline(dir.path(), &log, &format!("s3://{BUCKET}/analytics"));
 
     // The store is down when the daemon starts.
     let daemon_log = dir.path().join("daemon.log");
@@ -298,15 +344,7 @@ fn parquet_on_s3_rides_out_a_store_outage_and_current_equals_the_log() {
     );
 
     // The restart replays what the killed daemon left unpublished; then the bucket is read back.
-    let run = output(s3_env(
-        refract().arg("run").arg(&pipeline).arg("--until-caught-up"),
-        proxy.port,
-    ));
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    caught_up(&pipeline, s3_env, proxy.port);
     let copy = dir.path().join("copy");
     boto3(
         s3_port,
@@ -319,7 +357,27 @@ fn parquet_on_s3_rides_out_a_store_outage_and_current_equals_the_log() {
             copy.display()
         ),
     );
-    let result = read_back(&copy);
+    assert_output(&copy, &live);
+}
+
+/// Runs `refract run PIPELINE --until-caught-up` with the store's environment (`env` of the
+/// store on `port`), which must succeed.
+fn caught_up(pipeline: &Path, env: fn(&mut Command, u16) -> &mut Command, port: u16) {
+    let run = output(env(
+        refract().arg("run").arg(pipeline).arg("--until-caught-up"),
+        port,
+    ));
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
+
+/// The output copied to `copy`, read back with pyarrow: valid footers, no change twice in the
+/// log, and the orders of `current/` as `live` says.
+fn assert_output(copy: &Path, live: &BTreeMap<String, (String, i64, Vec<String>)>) {
+    let result = read_back(copy);
     assert_eq!(result["bad_files"], json!([]), "{result}");
     for t in ["orders", "customers", "order_items"] {
         assert_eq!(
@@ -328,8 +386,36 @@ fn parquet_on_s3_rides_out_a_store_outage_and_current_equals_the_log() {
         );
     }
     assert_eq!(
-        parquet_orders(&result),
+        &parquet_orders(&result),
         live,
         "current/ against the change log"
     );
+}
+
+#[test]
+fn parquet_on_azure_blob_storage_equals_the_log_over_two_runs() {
+    let port = free_port();
+    let _server = azurite(port);
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("changes.jsonl");
+    let pipeline = cloud_pipeline(dir.path(), &log, &format!("az://{BUCKET}/analytics"));
+    let mut live = BTreeMap::new();
+    // The second run compacts over the current state the first one published.
+    for (from, to) in [(0, 200), (200, 400)] {
+        append(&log, &changes(from, to, &mut live));
+        caught_up(&pipeline, azure_env, port);
+    }
+    let copy = dir.path().join("copy");
+    azure_blob(
+        port,
+        &format!(
+            "container = blobs.get_container_client('{BUCKET}')\n\
+             for blob in container.list_blobs(name_starts_with='analytics/'):\n\
+             \x20   path = os.path.join('{}', blob.name[len('analytics/'):])\n\
+             \x20   os.makedirs(os.path.dirname(path), exist_ok=True)\n\
+             \x20   open(path, 'wb').write(container.download_blob(blob.name).readall())",
+            copy.display()
+        ),
+    );
+    assert_output(&copy, &live);
 }
