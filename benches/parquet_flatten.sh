@@ -4,8 +4,10 @@
 # to pyarrow doing the same read-flatten-write in the same run (benches/parquet_flatten.py:
 # pyarrow.json.read_json, pyarrow compute, pyarrow.parquet.write_table) into the same three tables:
 # orders, customers (one row per customer, the last occurrence wins) and order_items.
-# Prints `flatten to parquet: refract docs/s / pyarrow docs/s = ratio`, the peak RSS of both, and
-# the row counts of both outputs per table (a mismatch fails the run). One run of each.
+# Prints `flatten to parquet: refract docs/s / pyarrow docs/s = ratio`, the peak RSS of both, the
+# columnar probe's rate next to pyarrow's (benches/columnar_probe.rs: a bound for planning, not
+# refract's path), and the row counts of all three outputs per table (a mismatch fails the run).
+# One run of each.
 #
 # Usage: benches/parquet_flatten.sh [DOCS]   (default 1000000, 100000 when CI=true;
 #        BENCH_DIR keeps the generated file and both outputs for another look)
@@ -69,6 +71,12 @@ print(f"{time.perf_counter() - t:.2f} {resource.getrusage(resource.RUSAGE_CHILDR
 ' "$work/time" "$refract" run "$work/pipeline.toml" --until-caught-up --summary-json "$work/summary.json"
 fi
 
+# For planning: the columnar probe (benches/columnar_probe.rs) decodes the same file straight
+# into Arrow builders and writes the three tables, with no change log, positions or compaction.
+# It is not refract's path; it bounds what a columnar fast path could reach.
+rm -rf "$work/probe"
+"$target/release/columnar-probe" "$log" "$work/probe" > "$work/probe.txt"
+
 python3 - "$work" "$docs" <<'PY'
 import glob, json, os, re, sys
 import pyarrow.parquet as pq
@@ -91,13 +99,18 @@ print(f"flatten to parquet: {rate:.0f} docs/s / pyarrow {p_rate:.0f} docs/s = {r
 print(f"  of which the change log: {log_secs:.2f} s ({docs / log_secs:.0f} docs/s / pyarrow = {docs / log_secs / p_rate:.2f}x), "
       f"compaction into current/: {secs - log_secs:.2f} s")
 print(f"peak RSS: refract {rss_mib:.1f} MiB, pyarrow {p_rss}")
+probe = open(os.path.join(work, "probe.txt")).read()
+q_rate = float(re.search(r"^columnar probe: \d+ docs in [\d.]+ s = ([\d.]+) docs/s$", probe, re.M).group(1))
+print(f"columnar probe (not refract's path: no change log, positions or compaction): "
+      f"{q_rate:.0f} docs/s / pyarrow {p_rate:.0f} docs/s = {q_rate / p_rate:.2f}x")
 
 rows = lambda files: sum(pq.ParquetFile(f).metadata.num_rows for f in files)
 failed = False
 for table in ["orders", "customers", "order_items"]:
     r = rows(glob.glob(os.path.join(work, "out", table, "current", "**", "*.parquet"), recursive=True))
     p = rows([os.path.join(work, "pyarrow", f"{table}.parquet")])
-    print(f"rows {table}: refract {r}, pyarrow {p}{'' if r == p else '  MISMATCH'}")
-    failed |= r != p
+    q = rows([os.path.join(work, "probe", f"{table}.parquet")])
+    print(f"rows {table}: refract {r}, pyarrow {p}, probe {q}{'' if r == p == q else '  MISMATCH'}")
+    failed |= not r == p == q
 sys.exit(1 if failed else 0)
 PY
