@@ -9,13 +9,13 @@
 //! Change-log files older than `change_retention_days` that are merged are deleted.
 //!
 //! **Two compactions at once** (the daemon's, and `refract compact` run from another host on
-//! the same store): the one that would publish second checks first that the current state is
+//! the same store): the one that would publish second publishes only if the current state is
 //! still the one it merged from; when another compaction published meanwhile, it leaves that
-//! newer state in place and deletes nothing. Without the check, the slower one put back an
+//! newer state in place and deletes nothing. Without the condition, the slower one put back an
 //! older state, and when the faster one's retention had deleted change files the older state
 //! lacked, their rows were gone from `current/` for good. (On one host, `refract compact`
-//! refuses to run beside the pipeline's daemon.) The check and the PUT are two requests: a
-//! compaction publishing in between them is not seen.
+//! refuses to run beside the pipeline's daemon.) Where the store cannot put on a condition, the
+//! check and the PUT are two requests: see [`publish`].
 //!
 //! Memory: see [`merge`](super::merge); inputs are fetched whole before merging.
 
@@ -345,7 +345,7 @@ pub(super) async fn compact_table(
     .await
     .map_err(|e| format!("the merge task failed: {e}"))??;
     before_publish.await;
-    if overtaken(&*store, &current, merged_from.as_ref()).await? {
+    if !publish(&*store, &current, merged.bytes, merged_from.as_ref()).await? {
         tracing::warn!(
             table,
             "another compaction published the current state while this one merged: its newer \
@@ -354,9 +354,6 @@ pub(super) async fn compact_table(
         report.superseded = 1;
         return Ok(report);
     }
-    put(&*store, &current, merged.bytes)
-        .await
-        .map_err(|e| e.to_string())?;
     if config.url.starts_with("file://") {
         // Like the change log: synced, so that a power loss cannot leave a torn current state.
         let local = std::path::Path::new("/").join(current.as_ref());
@@ -377,6 +374,48 @@ pub(super) async fn compact_table(
     );
     report.files_deleted = retain(&*store, files, config, &merged.through).await?;
     Ok(report)
+}
+
+/// Publishes `bytes` as the current state unless another compaction published since it was
+/// read as `merged_from` (`None`: there was none); returns whether it did.
+///
+/// Where the store can put on a condition (Azure, GCS, S3 with `AWS_CONDITIONAL_PUT=etag`; the
+/// local backend for a first state), the PUT itself carries it. Otherwise (the local backend
+/// over an existing state, S3 without the option, and states past one PUT) the object's metadata
+/// is compared just before an unconditional PUT: a publish between the two is not seen.
+async fn publish(
+    store: &dyn ObjectStore,
+    current: &Path,
+    bytes: bytes::Bytes,
+    merged_from: Option<&object_store::ObjectMeta>,
+) -> Result<bool, String> {
+    use object_store::{PutMode, PutOptions, UpdateVersion};
+    if bytes.len() <= super::MULTIPART_THRESHOLD {
+        let mode = match merged_from {
+            Some(m) => PutMode::Update(UpdateVersion {
+                e_tag: m.e_tag.clone(),
+                version: m.version.clone(),
+            }),
+            None => PutMode::Create,
+        };
+        let options = PutOptions::from(mode);
+        match store.put_opts(current, bytes.clone().into(), options).await {
+            Ok(_) => return Ok(true),
+            Err(
+                object_store::Error::Precondition { .. }
+                | object_store::Error::AlreadyExists { .. },
+            ) => return Ok(false),
+            Err(object_store::Error::NotImplemented { .. }) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    if overtaken(store, current, merged_from).await? {
+        return Ok(false);
+    }
+    put(store, current, bytes)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(true)
 }
 
 /// Whether the object at `current` is no longer the one merged from (`merged_from`, `None` when

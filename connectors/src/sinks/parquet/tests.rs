@@ -520,6 +520,8 @@ async fn compaction_copies_inputs_whose_rows_all_survive_and_gathers_the_others(
 
 #[tokio::test]
 async fn a_compaction_overtaken_by_another_keeps_the_newer_state_and_deletes_nothing() {
+    // The local backend cannot replace an object on a condition: the state is compared just
+    // before the PUT.
     let dir = tempfile::tempdir().unwrap();
     let (cfg, mut sink) = sink_with_retention(dir.path()).await;
     let s = schema("t", 1, false, false);
@@ -528,34 +530,142 @@ async fn a_compaction_overtaken_by_another_keeps_the_newer_state_and_deletes_not
     let old = |id: &str, pos: u64| upsert_days_ago(&s, id, pos, 40);
     sink.write(&batch(1, vec![old("a", 10)])).await.unwrap();
     sink.flush().await.unwrap();
+    let first = compact("pq", &cfg).await.unwrap();
+    assert_eq!((first.rows, first.files_deleted), (1, 1), "{first:?}");
+    sink.write(&batch(2, vec![old("b", 20)])).await.unwrap();
+    sink.flush().await.unwrap();
     let (store, root) = open_store(&cfg.url).unwrap();
     let slow_files = compact::list_change_files(&*store, &root, Some("t"))
         .await
         .unwrap();
-    // While the slow compaction merges `a`, another one merges `a` and `b`, publishes, and
-    // deletes both change files by retention.
+    // While the slow compaction merges `b` into the state, another one merges `b` and `c`,
+    // publishes, and deletes both change files by retention.
     let overtaking = async {
-        sink.write(&batch(2, vec![old("b", 20)])).await.unwrap();
+        sink.write(&batch(3, vec![old("c", 30)])).await.unwrap();
         sink.flush().await.unwrap();
         let fast = compact("pq", &cfg).await.unwrap();
-        assert_eq!((fast.rows, fast.files_deleted), (2, 2), "{fast:?}");
+        assert_eq!((fast.rows, fast.files_deleted), (3, 2), "{fast:?}");
     };
     let slow = compact::compact_table(store, &root, "t", &slow_files, &cfg, overtaking)
         .await
         .unwrap();
     assert_eq!((slow.superseded, slow.files_deleted), (1, 0), "{slow:?}");
-    // `b` lives only in the current state now: the slow compaction's older state would have
+    // `c` lives only in the current state now: the slow compaction's older state would have
     // lost it for good.
     let current = dir.path().join("t/current/part-0.parquet");
-    assert_eq!(rows(&current), [("a".to_owned(), 1), ("b".to_owned(), 1)]);
+    let abc = ["a", "b", "c"].map(|id| (id.to_owned(), 1));
+    assert_eq!(rows(&current), abc);
     assert_eq!(files(dir.path()), ["t/current/part-0.parquet"]);
 
     // A compaction nobody overtakes publishes as before, over the state it merged from.
-    sink.write(&batch(3, vec![op(&s, FlatOp::Upsert, "c", 1, 30)]))
+    sink.write(&batch(4, vec![op(&s, FlatOp::Upsert, "d", 1, 40)]))
         .await
         .unwrap();
     sink.flush().await.unwrap();
     let report = compact("pq", &cfg).await.unwrap();
-    assert_eq!((report.superseded, report.rows), (0, 3), "{report:?}");
-    assert_eq!(rows(&current).len(), 3);
+    assert_eq!((report.superseded, report.rows), (0, 4), "{report:?}");
+    assert_eq!(rows(&current).len(), 4);
+}
+
+/// A copy of every object under `root` of `from` in a new in-memory store, which puts on a
+/// condition as Azure and GCS do.
+async fn in_memory_copy(from: &dyn ObjectStore, root: &Path) -> Arc<dyn ObjectStore> {
+    use futures::TryStreamExt;
+    let memory = Arc::new(object_store::memory::InMemory::new());
+    let objects: Vec<_> = from.list(Some(root)).try_collect().await.unwrap();
+    for o in objects {
+        let bytes = from.get(&o.location).await.unwrap().bytes().await.unwrap();
+        memory.put(&o.location, bytes.into()).await.unwrap();
+    }
+    memory
+}
+
+/// The current state of `t` below `root`.
+fn current_of_t(root: &Path) -> Path {
+    root.clone()
+        .join("t")
+        .join("current")
+        .join("part-0.parquet")
+}
+
+/// (id, n) of the current state of `t` in `store`.
+async fn current_rows(store: &dyn ObjectStore, root: &Path) -> Vec<(String, i64)> {
+    let bytes = store
+        .get(&current_of_t(root))
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), bytes).unwrap();
+    rows(file.path())
+}
+
+#[tokio::test]
+async fn where_the_store_puts_on_a_condition_the_overtaken_compaction_publishes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path());
+    let mut sink = ParquetSink::new("pq", cfg.clone());
+    sink.open().await.unwrap();
+    let s = schema("t", 1, false, false);
+    let (local, root) = open_store(&cfg.url).unwrap();
+    // The change log after each of three batches, as in-memory stores.
+    let mut logs = Vec::new();
+    for (seq, id) in [(1, "a"), (2, "b"), (3, "c")] {
+        let at = 10 * seq;
+        sink.write(&batch(seq, vec![op(&s, FlatOp::Upsert, id, 1, at)]))
+            .await
+            .unwrap();
+        sink.flush().await.unwrap();
+        logs.push(in_memory_copy(&*local, &root).await);
+    }
+    // Compactions below run on the in-memory stores (nothing to sync to a local disk).
+    let cfg = ParquetSinkConfig {
+        url: "memory:///".into(),
+        ..cfg
+    };
+    let files = |store: Arc<dyn ObjectStore>| {
+        let root = root.clone();
+        async move {
+            compact::list_change_files(&*store, &root, Some("t"))
+                .await
+                .unwrap()
+        }
+    };
+    let compact_now = |store: Arc<dyn ObjectStore>, files: Vec<compact::ChangeFile>| {
+        let (root, cfg) = (root.clone(), cfg.clone());
+        async move {
+            compact::compact_table(store, &root, "t", &files, &cfg, std::future::ready(()))
+                .await
+                .unwrap()
+        }
+    };
+
+    // No state yet: the slow one merges `a`, the fast one publishes `a` and `b` first.
+    let store = logs[1].clone();
+    let (slow_files, all) = (files(logs[0].clone()).await, files(store.clone()).await);
+    let overtaking = async {
+        assert_eq!(compact_now(store.clone(), all.clone()).await.superseded, 0);
+    };
+    let slow =
+        compact::compact_table(store.clone(), &root, "t", &slow_files, &cfg, overtaking).await;
+    assert_eq!(slow.unwrap().superseded, 1);
+    assert_eq!(
+        current_rows(&*store, &root).await,
+        [("a".to_owned(), 1), ("b".to_owned(), 1)]
+    );
+
+    // Over that state: both merge `c`, and the fast one publishes first.
+    let newest = logs[2].clone();
+    let state = current_of_t(&root);
+    let bytes = store.get(&state).await.unwrap().bytes().await.unwrap();
+    newest.put(&state, bytes.into()).await.unwrap();
+    let all = files(newest.clone()).await;
+    let overtaking = async {
+        assert_eq!(compact_now(newest.clone(), all.clone()).await.superseded, 0);
+    };
+    let slow = compact::compact_table(newest.clone(), &root, "t", &all, &cfg, overtaking);
+    assert_eq!(slow.await.unwrap().superseded, 1);
+    assert_eq!(current_rows(&*newest, &root).await.len(), 3);
 }
