@@ -1,10 +1,11 @@
 //! A probe for planning, not a product path: how fast a columnar decode of the flatten
 //! benchmark's input could be. It reads the same file of Debezium envelopes as
-//! benches/parquet_flatten.sh, parses each line with simd-json into a borrowed value (no owned
-//! tree, no event), appends the shipped pipeline's columns straight into Arrow builders on two
-//! threads, and writes the three tables (orders, customers with the last occurrence of each
-//! customer, order_items) with zstd. No change log, no positions, no compaction, no schema drift,
-//! no dead letters: a lower bound for what a columnar fast path in refract would cost.
+//! benches/parquet_flatten.sh (whole, into memory: its peak RSS is not a figure to compare),
+//! parses each line with simd-json into a borrowed value (no owned tree, no event), appends the
+//! shipped pipeline's columns straight into Arrow builders on two threads, and writes the three
+//! tables (orders, customers with the last occurrence of each customer, order_items) with zstd.
+//! No change log, no positions, no compaction, no schema drift, no dead letters: a lower bound
+//! for what a columnar fast path in refract would cost.
 //!
 //! Usage: columnar-probe IN_JSONL OUT_DIR
 //! Prints `columnar probe: N docs in S s = R docs/s` and the row count of each table.
