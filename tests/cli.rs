@@ -214,17 +214,7 @@ fn the_demo_runs_to_completion_without_services() {
     }
     // The nested customer_orders documents, flattened: pyarrow reads one current row per live
     // order (as many as the replica's documents), each file with a valid footer.
-    let read = std::process::Command::new("python3")
-        .arg(Path::new(WORKSPACE).join("tests/parquet_read.py"))
-        .arg(out_dir.join("analytics"))
-        .output()
-        .expect("python3 runs");
-    assert!(
-        read.status.success(),
-        "{}",
-        String::from_utf8_lossy(&read.stderr)
-    );
-    let analytics: serde_json::Value = serde_json::from_slice(&read.stdout).unwrap();
+    let analytics = common::parquet::read_back(&out_dir.join("analytics"));
     assert_eq!(analytics["bad_files"], serde_json::json!([]));
     assert_eq!(
         analytics["tables"]["orders"]["current"]
