@@ -281,13 +281,14 @@ pub fn render(loaded: &LoadedPipeline, check: &SourceCheck) -> String {
                 };
                 let _ = writeln!(
                     out,
-                    "writes `{name}` (parquet): {}/{{table}}/changes/date=…/*.parquet (zstd {}, files of up to {} rows or {} MiB or {} s); \
-                     {{table}}/current/ compacted {compaction}",
+                    "writes `{name}` (parquet): {}/{{table}}/changes/date=…/*.parquet (zstd {}, files of up to {} rows or {} MiB or {} s, \
+                     open files up to {} MiB in memory); {{table}}/current/ compacted {compaction}",
                     show(&format!("sinks.{name}.url"), &p.url),
                     p.zstd_level,
                     p.roll_rows,
                     p.roll_bytes >> 20,
-                    p.roll_ms / 1000
+                    p.roll_ms / 1000,
+                    p.buffer_bytes >> 20
                 );
             }
             SinkConfig::Postgres(p) => {

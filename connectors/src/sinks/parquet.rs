@@ -65,7 +65,16 @@ struct OpenFile {
     rows: usize,
     /// The first batch with rows in this file.
     first_seq: u64,
+    /// The newest batch with rows in this file.
+    last_seq: u64,
     opened: Instant,
+}
+
+impl OpenFile {
+    /// The memory it holds: the encoded bytes so far and the buffered row group.
+    fn held_bytes(&self) -> u64 {
+        (self.writer.bytes_written() + self.writer.memory_size()) as u64
+    }
 }
 
 /// A finished file waiting to be published.
@@ -212,6 +221,7 @@ impl ParquetSink {
                         last: rows[0].position,
                         rows: 0,
                         first_seq: batch.seq,
+                        last_seq: batch.seq,
                         opened: Instant::now(),
                     },
                 );
@@ -233,6 +243,7 @@ impl ParquetSink {
                     source: Some(Box::new(e)),
                 })?;
             file.rows += rows.len();
+            file.last_seq = batch.seq;
             file.first = file
                 .first
                 .min(rows.iter().map(|r| r.position).min().expect("non-empty"));
@@ -269,7 +280,9 @@ impl ParquetSink {
         Ok(())
     }
 
-    /// Finishes the open files that reached a size limit (or all of them).
+    /// Finishes the open files that reached a size limit (or all of them), then, while the open
+    /// files together hold more than `buffer_bytes`, those written to least recently (the
+    /// largest first among equals): in a replay, the days already passed.
     fn roll(&mut self, all: bool) -> Result<(), SinkError> {
         let due: Vec<(Arc<str>, i64)> = self
             .open
@@ -284,6 +297,30 @@ impl ParquetSink {
         for key in due {
             let file = self.open.remove(&key).expect("listed");
             self.finish(&key, file)?;
+        }
+        let mut held: Vec<(u64, u64, (Arc<str>, i64))> = self
+            .open
+            .iter()
+            .map(|(k, f)| (f.last_seq, f.held_bytes(), k.clone()))
+            .collect();
+        let mut total: u64 = held.iter().map(|(_, bytes, _)| bytes).sum();
+        if total > self.config.buffer_bytes {
+            held.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+            for (_, bytes, key) in held {
+                if total <= self.config.buffer_bytes {
+                    break;
+                }
+                let file = self.open.remove(&key).expect("listed");
+                tracing::debug!(
+                    sink = %self.name,
+                    table = %key.0,
+                    rows = file.rows,
+                    bytes,
+                    "open files hold more than buffer_bytes: publishing one early"
+                );
+                self.finish(&key, file)?;
+                total -= bytes;
+            }
         }
         Ok(())
     }

@@ -779,6 +779,12 @@ pub struct ParquetSinkConfig {
     /// acknowledged only for published files, so this bounds the replay after a crash.
     #[serde(default = "default_roll_ms")]
     pub roll_ms: u64,
+    /// The open change-log files together hold at most about this many bytes in memory (their
+    /// encoded data and buffered row groups), 16 MiB to 64 GiB: past it the largest are
+    /// published early. Files are open per table and commit day, so a replay of many days
+    /// would otherwise keep everything read within `roll_ms` in memory.
+    #[serde(default = "default_buffer_bytes")]
+    pub buffer_bytes: u64,
     /// How often the daemon rebuilds `current/` from the change log, in milliseconds (0 =
     /// only at the end of `run --until-caught-up` and with `refract compact`).
     #[serde(default = "default_compact_interval_ms")]
@@ -801,6 +807,9 @@ pub const DEFAULT_ROLL_BYTES: u64 = 128 * 1024 * 1024;
 /// Default longest a change-log file stays open: a minute of replay at most after a crash, and
 /// fresh data for readers within a minute.
 pub const DEFAULT_ROLL_MS: u64 = 60_000;
+/// Default memory bound of the open change-log files: room for three tables' files of the
+/// default `roll_bytes` on one day, so only replays spread over many days roll early.
+pub const DEFAULT_BUFFER_BYTES: u64 = 512 * 1024 * 1024;
 /// Default compaction interval of the daemon: `current/` is at most five minutes behind.
 pub const DEFAULT_COMPACT_INTERVAL_MS: u64 = 300_000;
 
@@ -818,6 +827,9 @@ fn default_roll_bytes() -> u64 {
 }
 fn default_roll_ms() -> u64 {
     DEFAULT_ROLL_MS
+}
+fn default_buffer_bytes() -> u64 {
+    DEFAULT_BUFFER_BYTES
 }
 fn default_compact_interval_ms() -> u64 {
     DEFAULT_COMPACT_INTERVAL_MS

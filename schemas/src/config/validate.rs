@@ -348,12 +348,13 @@ impl PipelineFile {
                 }
                 SinkConfig::Parquet(s) => {
                     object_store_url(&mut problem, &format!("{base}.url"), &s.url);
-                    let limits: [(&str, u64, u64, u64); 6] = [
+                    let limits: [(&str, u64, u64, u64); 7] = [
                         ("zstd_level", s.zstd_level.max(0) as u64, 1, 22),
                         ("row_group_rows", s.row_group_rows as u64, 1_000, 10_000_000),
                         ("roll_rows", s.roll_rows as u64, 1, 100_000_000),
                         ("roll_bytes", s.roll_bytes, 1 << 20, 4 << 30),
                         ("roll_ms", s.roll_ms, 100, 3_600_000),
+                        ("buffer_bytes", s.buffer_bytes, 16 << 20, 64 << 30),
                         (
                             "change_retention_days",
                             u64::from(s.change_retention_days),

@@ -23,6 +23,7 @@ fn config(dir: &std::path::Path) -> ParquetSinkConfig {
         roll_rows: 1_000_000,
         roll_bytes: 1 << 30,
         roll_ms: 3_600_000,
+        buffer_bytes: 1 << 30,
         compact_interval_ms: 0,
         change_retention_days: 0,
     }
@@ -368,6 +369,75 @@ async fn retention_deletes_merged_change_files_older_than_the_limit() {
     assert!(left.iter().any(|f| f.starts_with("t/current/")), "{left:?}");
     // The deleted file's rows live on in the current state.
     assert_eq!(rows(&dir.path().join("t/current/part-0.parquet")).len(), 2);
+}
+
+/// A replay of 60 days, one day per batch: without a memory bound, every day's file stays open
+/// (and in memory) until `roll_ms`.
+#[tokio::test]
+async fn open_files_over_buffer_bytes_are_published_oldest_first_and_nothing_is_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let budget: u64 = 4 << 20;
+    let mut sink = ParquetSink::new(
+        "pq",
+        ParquetSinkConfig {
+            buffer_bytes: budget,
+            ..config(dir.path())
+        },
+    );
+    sink.open().await.unwrap();
+    let s = schema("t", 1, false, false);
+    let (days, per_day) = (60u64, 50u64);
+    let mut most_held = 0;
+    for day in 0..days {
+        let commit_ts_ms = 1_780_000_000_000 + day as i64 * 86_400_000;
+        let ops = (0..per_day)
+            .map(|i| {
+                let pos = 1 + day * per_day + i;
+                let mut op = op(&s, FlatOp::Upsert, &format!("k{pos}"), pos as i64, pos);
+                if let WriteOp::Flat { change, .. } = &mut op {
+                    change.commit_ts_ms = Some(commit_ts_ms);
+                }
+                op
+            })
+            .collect();
+        sink.write(&batch(day + 1, ops)).await.unwrap();
+        let held: u64 = sink.open.values().map(OpenFile::held_bytes).sum();
+        most_held = most_held.max(held);
+        assert!(
+            held <= budget,
+            "day {day}: {} open files hold {held} bytes, more than buffer_bytes = {budget}",
+            sink.open.len()
+        );
+        assert!(
+            sink.open
+                .contains_key(&(Arc::from("t"), commit_ts_ms.div_euclid(86_400_000))),
+            "day {day}: the day being written stays open"
+        );
+    }
+    let early = files(dir.path()).len();
+    assert!(early > 0, "no file was published before the end");
+    // What was published early is acknowledged: the oldest unpublished batch is past day 0.
+    assert!(sink.durable_through().unwrap() > 0);
+    sink.close().await.unwrap();
+    let published = files(dir.path());
+    assert_eq!(
+        published.len() as u64,
+        days,
+        "one file per day, none split: {published:?}"
+    );
+    let mut all: Vec<(String, i64)> = published
+        .iter()
+        .flat_map(|f| rows(&dir.path().join(f)))
+        .collect();
+    all.sort();
+    let mut want: Vec<(String, i64)> = (1..=days * per_day)
+        .map(|pos| (format!("k{pos}"), pos as i64))
+        .collect();
+    want.sort();
+    assert_eq!(
+        all, want,
+        "every row once ({early} files published early, at most {most_held} bytes held)"
+    );
 }
 
 #[tokio::test]
