@@ -6,7 +6,8 @@ each with pyarrow.parquet.write_table (zstd) into OUT_DIR:
   customers.parquet    one row per customer_id (its last occurrence in the file wins)
   order_items.parquet  one row per item, line_no 1-based
 Prints `pyarrow: ROWS docs in SECS s = RATE docs/s` (ROWS: envelopes read; the time covers the
-whole read-flatten-write) and `pyarrow peak RSS: X MiB`.
+whole read-flatten-write), `pyarrow peak RSS: X MiB` and `pyarrow CPU: S s` (user + system, the
+whole process).
 
 Usage: python3 benches/parquet_flatten.py IN_JSONL OUT_DIR"""
 import os
@@ -123,3 +124,5 @@ secs = time.perf_counter() - start
 print(f"pyarrow: {rows} docs in {secs:.2f} s = {rows / secs:.0f} docs/s")
 print(f"pyarrow rows: orders {orders.num_rows}, customers {customers.num_rows}, order_items {order_items.num_rows}")
 print(f"pyarrow peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f} MiB")
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(f"pyarrow CPU: {usage.ru_utime + usage.ru_stime:.2f} s")

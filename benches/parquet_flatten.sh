@@ -4,9 +4,10 @@
 # to pyarrow doing the same read-flatten-write in the same run (benches/parquet_flatten.py:
 # pyarrow.json.read_json, pyarrow compute, pyarrow.parquet.write_table) into the same three tables:
 # orders, customers (one row per customer, the last occurrence wins) and order_items.
-# Prints `flatten to parquet: refract docs/s / pyarrow docs/s = ratio`, the peak RSS of both, the
-# columnar probe's rate next to pyarrow's (benches/columnar_probe.rs: a bound for planning, not
-# refract's path), and the row counts of all three outputs per table (a mismatch fails the run).
+# Prints `flatten to parquet: refract docs/s / pyarrow docs/s = ratio`, the peak RSS and the CPU
+# time (user + system, whole processes) of both, the columnar probe's rate next to pyarrow's
+# (benches/columnar_probe.rs: a bound for planning, not refract's path), and the row counts of all
+# three outputs per table (a mismatch fails the run).
 # One run of each.
 #
 # Usage: benches/parquet_flatten.sh [DOCS]   (default 1000000, 100000 when CI=true;
@@ -60,14 +61,15 @@ python3 benches/parquet_flatten.py "$log" "$work/pyarrow" | tee "$work/pyarrow.t
 
 rm -rf "$work/state" "$work/out"
 if [ -x /usr/bin/time ]; then
-    RUST_LOG=warn /usr/bin/time -f '%e %M' -o "$work/time" \
+    RUST_LOG=warn /usr/bin/time -f '%e %M %U %S' -o "$work/time" \
         "$refract" run "$work/pipeline.toml" --until-caught-up --summary-json "$work/summary.json" >/dev/null
-else   # wall seconds and the peak RSS (KiB) of the child, as /usr/bin/time -f '%e %M' prints them
+else   # wall seconds, peak RSS (KiB), user and system CPU seconds of the child, as /usr/bin/time -f '%e %M %U %S' prints them
     RUST_LOG=warn python3 -c '
 import resource, subprocess, sys, time
 t = time.perf_counter()
 subprocess.run(sys.argv[2:], check=True, stdout=subprocess.DEVNULL)
-print(f"{time.perf_counter() - t:.2f} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}", file=open(sys.argv[1], "w"))
+r = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(f"{time.perf_counter() - t:.2f} {r.ru_maxrss} {r.ru_utime:.2f} {r.ru_stime:.2f}", file=open(sys.argv[1], "w"))
 ' "$work/time" "$refract" run "$work/pipeline.toml" --until-caught-up --summary-json "$work/summary.json"
 fi
 
@@ -87,11 +89,12 @@ records = summary["records"]
 log_secs = float(summary["elapsed"])
 if records != docs:
     sys.exit(f"refract read {records} of {docs} envelopes")
-secs, rss_kib = open(os.path.join(work, "time")).read().split()[-2:]
-secs, rss_mib = float(secs), int(rss_kib) / 1024
+secs, rss_kib, user, system = open(os.path.join(work, "time")).read().split()[-4:]
+secs, rss_mib, cpu = float(secs), int(rss_kib) / 1024, float(user) + float(system)
 text = open(os.path.join(work, "pyarrow.txt")).read()
 p_secs, p_rate = (float(x) for x in re.search(r"^pyarrow: \d+ docs in ([\d.]+) s = ([\d.]+) docs/s$", text, re.M).groups())
 p_rss = re.search(r"^pyarrow peak RSS: (.*)$", text, re.M).group(1)
+p_cpu = float(re.search(r"^pyarrow CPU: ([\d.]+) s$", text, re.M).group(1))
 rate = docs / secs
 print(f"\nrefract: {docs} docs in {secs:.2f} s = {rate:.0f} docs/s")
 print(f"pyarrow: {docs} docs in {p_secs:.2f} s = {p_rate:.0f} docs/s")
@@ -99,6 +102,9 @@ print(f"flatten to parquet: {rate:.0f} docs/s / pyarrow {p_rate:.0f} docs/s = {r
 print(f"  of which the change log: {log_secs:.2f} s ({docs / log_secs:.0f} docs/s / pyarrow = {docs / log_secs / p_rate:.2f}x), "
       f"compaction into current/: {secs - log_secs:.2f} s")
 print(f"peak RSS: refract {rss_mib:.1f} MiB, pyarrow {p_rss}")
+# On a machine with few cores, the CPU time is what a faster wall time must come out of.
+print(f"CPU (user + system): refract {cpu:.2f} s, pyarrow {p_cpu:.2f} s = {cpu / p_cpu:.2f}x the CPU; "
+      f"{os.cpu_count()} cores")
 probe = open(os.path.join(work, "probe.txt")).read()
 q_rate = float(re.search(r"^columnar probe: \d+ docs in [\d.]+ s = ([\d.]+) docs/s$", probe, re.M).group(1))
 print(f"columnar probe (not refract's path: no change log, positions or compaction): "

@@ -10,7 +10,8 @@
 //! table's columns. Rows are buffered per table and commit date in an in-memory Parquet writer
 //! (zstd, `row_group_rows` per row group); a file is published when it reaches `roll_rows` or
 //! `roll_bytes` (checked between batches, so a file always holds whole batches), when it is
-//! `roll_ms` old, or when the pipeline drains. Publishing is one PUT (a multipart upload past
+//! `roll_ms` old, or when the pipeline drains; and while the open files together hold more than
+//! `buffer_bytes`, those written to least recently are published early. Publishing is one PUT (a multipart upload past
 //! [`MULTIPART_THRESHOLD`], aborted on failure): the local backend writes `name#N` and renames
 //! it into place, object stores expose an object only once complete, so a reader never sees a
 //! partial file. The source is acknowledged only for batches whose files are all published.
@@ -27,6 +28,8 @@
 mod compact;
 mod encode;
 mod merge;
+#[cfg(test)]
+mod multipart_tests;
 #[cfg(test)]
 mod tests;
 
@@ -365,6 +368,11 @@ impl ParquetSink {
             Ok(report) => {
                 tracing::info!(sink = %self.name, tables = report.tables, rows = report.rows, "compacted current state")
             }
+            // A store that is down (retryable) is a warning, as the change log's retries are;
+            // what retrying cannot fix is an error.
+            Err(e) if e.is_retryable() => {
+                tracing::warn!(sink = %self.name, error = %e, "compaction failed; retrying at the next interval")
+            }
             Err(e) => {
                 tracing::error!(sink = %self.name, error = %e, "compaction failed; retrying at the next interval")
             }
@@ -485,7 +493,17 @@ pub(crate) async fn put(
         store.put(path, PutPayload::from(bytes)).await?;
         return Ok(());
     }
-    let mut upload = store.put_multipart(path).await?;
+    let upload = store.put_multipart(path).await?;
+    upload_parts(upload, path, bytes).await
+}
+
+/// Uploads `bytes` in parts of [`PART_SIZE`] and completes `upload`; aborts it if a part or the
+/// completion fails.
+async fn upload_parts(
+    mut upload: Box<dyn object_store::MultipartUpload>,
+    path: &Path,
+    bytes: bytes::Bytes,
+) -> object_store::Result<()> {
     let mut result = Ok(());
     for start in (0..bytes.len()).step_by(PART_SIZE) {
         let end = (start + PART_SIZE).min(bytes.len());

@@ -441,20 +441,6 @@ async fn open_files_over_buffer_bytes_are_published_oldest_first_and_nothing_is_
 }
 
 #[tokio::test]
-async fn large_files_are_uploaded_in_parts_and_appear_whole() {
-    let dir = tempfile::tempdir().unwrap();
-    let (store, root) =
-        crate::sinks::object_json::open_store(&format!("file://{}", dir.path().display())).unwrap();
-    let path = root.clone().join("big.parquet");
-    let bytes = bytes::Bytes::from(vec![7u8; MULTIPART_THRESHOLD + PART_SIZE / 2]);
-    put(&*store, &path, bytes.clone()).await.unwrap();
-    assert_eq!(
-        std::fs::read(dir.path().join("big.parquet")).unwrap(),
-        bytes.to_vec()
-    );
-}
-
-#[tokio::test]
 async fn a_truncate_removes_every_older_row_from_the_current_state() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path());
