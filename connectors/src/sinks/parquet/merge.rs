@@ -9,8 +9,8 @@
 //!   change file of an append-only load, and a previous state that no new change touches;
 //! - any other input is decoded, its surviving rows are gathered, and they are encoded anew.
 //!
-//! Memory: the control columns of every input (about 50 bytes a row), one input's decoded rows
-//! at a time, and the new file.
+//! Memory: every input's bytes (as stored, compressed), their control columns (about 50 bytes
+//! a row), one batch of decoded rows at a time, and the new file.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -88,8 +88,12 @@ impl Input {
         self.meta.metadata().file_metadata().num_rows() as usize
     }
 
-    /// Reads the columns in `names` that the file has (all columns when `None`).
-    fn read(&self, names: Option<&[&str]>) -> Result<Vec<RecordBatch>, String> {
+    /// Reads the columns in `names` that the file has (all columns when `None`), a batch of
+    /// [`READ_BATCH_ROWS`] at a time.
+    fn read(
+        &self,
+        names: Option<&[&str]>,
+    ) -> Result<impl Iterator<Item = Result<RecordBatch, String>> + '_, String> {
         let mut builder = ParquetRecordBatchReaderBuilder::new_with_metadata(
             self.bytes.clone(),
             self.meta.clone(),
@@ -106,11 +110,8 @@ impl Input {
             let mask = ProjectionMask::roots(self.meta.parquet_schema(), roots);
             builder = builder.with_projection(mask);
         }
-        builder
-            .build()
-            .map_err(failed(&self.path))?
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| format!("{}: {e}", self.path))
+        let batches = builder.build().map_err(failed(&self.path))?;
+        Ok(batches.map(|batch| batch.map_err(|e| format!("{}: {e}", self.path))))
     }
 
     /// The first pass: positions, ops and key hashes of every row.
@@ -122,8 +123,18 @@ impl Input {
     ) -> Result<Control, String> {
         let mut names: Vec<&str> = vec![POSITION, OP];
         names.extend(by.iter().chain(full).map(String::as_str));
-        let mut control = Control::default();
+        // Sized once: grown by doubling, the vectors of a large input would take up to twice
+        // the room.
+        let rows = self.rows();
+        let mut control = Control {
+            position: Vec::with_capacity(rows),
+            op: Vec::with_capacity(rows),
+            by: Vec::with_capacity(rows),
+            full: Vec::with_capacity(if full.is_empty() { 0 } else { rows }),
+            ..Control::default()
+        };
         for batch in self.read(Some(&names))? {
+            let batch = batch?;
             let positions = string_column(&batch, POSITION)?;
             let ops = if self.previous {
                 None
@@ -456,6 +467,7 @@ impl Output {
         let mut wanted = rows.iter().peekable();
         let mut start = 0u32;
         for batch in input.read(None)? {
+            let batch = batch?;
             let end = start + batch.num_rows() as u32;
             let mut keep = vec![false; batch.num_rows()];
             while let Some(&&r) = wanted.peek() {
