@@ -1,5 +1,7 @@
 # Shared by the benchmark scripts (sourced, not run): the showcase `products` table
-# (../shared/showcase/products.sql), filled; pgbench sending the PostgreSQL sink's upserts.
+# (../shared/showcase/products.sql), filled; pgbench sending the PostgreSQL sink's upserts; the
+# shipped flatten-to-Parquet pipeline over a file of customer_orders envelopes and the setup of
+# its benchmarks; timing a command.
 
 # create_products ROWS: creates and fills `products` through the caller's `sql` function.
 create_products() {
@@ -83,4 +85,63 @@ PY
     tps=$(sed -n 's/^tps = \([0-9.]*\).*/\1/p' <<<"$out" | tail -1)
     [ -n "$tps" ] || { echo "pgbench failed: $out" >&2; return 1; }
     echo "$tps"
+}
+
+# orders_flatten_pipeline WORK LOG: prints a pipeline reading the envelope file LOG (follow =
+# false) through the shipped pipeline's projection and sink, as users run them: everything from
+# the line `# --- flatten ---` to the end of pipelines/orders-analytics.toml, the sink's `url`
+# pointed at WORK/out, the state in WORK/state.
+orders_flatten_pipeline() {
+    local work=$1 log=$2 showcase=pipelines/orders-analytics.toml sections
+    [ -f "$showcase" ] || { echo "$showcase not found (it holds the flatten projection and the Parquet sink)" >&2; return 1; }
+    sections=$(sed -n '/^# --- flatten ---/,$p' "$showcase" | sed "s|^\([[:space:]]*\)url[[:space:]]*=.*|\1url = \"file://$work/out\"|")
+    [ -n "$sections" ] || { echo "$showcase has no '# --- flatten ---' line" >&2; return 1; }
+    cat <<TOML
+[pipeline]
+name = "bench-parquet"
+state_dir = "$work/state"
+[pipeline.batch]
+max_events = 20000
+[source]
+kind = "file"
+path = "$log"
+follow = false
+TOML
+    # The header, unless the sections copied below carry it themselves.
+    grep -q '^\[projections\.orders_flat\]' <<<"$sections" || printf '[projections.orders_flat]\nkind = "flatten"\n'
+    printf '%s\n' "$sections"
+}
+
+# timed OUT COMMAND...: runs COMMAND (its stdout discarded) and writes its wall seconds, peak RSS
+# (KiB), user and system CPU seconds to OUT, as `/usr/bin/time -f '%e %M %U %S'` prints them
+# (with Python's resource module where the Debian package `time` is not installed).
+timed() {
+    local out=$1
+    shift
+    if [ -x /usr/bin/time ]; then
+        /usr/bin/time -f '%e %M %U %S' -o "$out" "$@" >/dev/null
+    else
+        python3 -c '
+import resource, subprocess, sys, time
+t = time.perf_counter()
+subprocess.run(sys.argv[2:], check=True, stdout=subprocess.DEVNULL)
+r = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(f"{time.perf_counter() - t:.2f} {r.ru_maxrss} {r.ru_utime:.2f} {r.ru_stime:.2f}", file=open(sys.argv[1], "w"))
+' "$out" "$@"
+    fi
+}
+
+# parquet_bench_setup: what the Parquet benchmarks share: $work (BENCH_DIR, kept; or a temporary
+# directory removed at exit), pyarrow present, the release build, $target and $refract.
+parquet_bench_setup() {
+    work=${BENCH_DIR:-$(mktemp -d)}
+    mkdir -p "$work"
+    trap '[ -n "${BENCH_DIR:-}" ] || rm -rf "$work"' EXIT
+    python3 -c 'import pyarrow' 2>/dev/null || {
+        echo "pyarrow is missing: python3 -m pip install pyarrow" >&2
+        exit 1
+    }
+    cargo build --release --locked -q -p refract -p refract-benches
+    target=${CARGO_TARGET_DIR:-target}
+    refract=$target/release/refract
 }

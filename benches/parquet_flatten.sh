@@ -14,64 +14,22 @@
 #        BENCH_DIR keeps the generated file and both outputs for another look)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benches/common.sh
 if [ "${CI:-}" = true ]; then docs=${1:-100000}; else docs=${1:-1000000}; fi
-work=${BENCH_DIR:-$(mktemp -d)}
-mkdir -p "$work"
-cleanup() { [ -n "${BENCH_DIR:-}" ] || rm -rf "$work"; }
-trap cleanup EXIT
-
-python3 -c 'import pyarrow' 2>/dev/null || {
-    echo "pyarrow is missing: python3 -m pip install pyarrow" >&2
-    exit 1
-}
-cargo build --release --locked -q -p refract -p refract-benches
-target=${CARGO_TARGET_DIR:-target}
-refract=$target/release/refract
+parquet_bench_setup
 
 log="$work/orders-$docs.jsonl"
 [ -s "$log" ] || "$target/release/gen-envelopes" --orders "$docs" "$log"
 
-# The shipped pipeline's projection and sink, as users run them: everything from the line
-# `# --- flatten ---` to the end of pipelines/orders-analytics.toml, the sink's `url` pointed at
-# $work/out.
-showcase=pipelines/orders-analytics.toml
-[ -f "$showcase" ] || { echo "$showcase not found (it holds the flatten projection and the Parquet sink)" >&2; exit 1; }
-sections=$(sed -n '/^# --- flatten ---/,$p' "$showcase" | sed "s|^\([[:space:]]*\)url[[:space:]]*=.*|\1url = \"file://$work/out\"|")
-[ -n "$sections" ] || { echo "$showcase has no '# --- flatten ---' line" >&2; exit 1; }
-{
-    cat <<TOML
-[pipeline]
-name = "bench-parquet"
-state_dir = "$work/state"
-[pipeline.batch]
-max_events = 20000
-[source]
-kind = "file"
-path = "$log"
-follow = false
-TOML
-    # The header, unless the sections copied below carry it themselves.
-    grep -q '^\[projections\.orders_flat\]' <<<"$sections" || printf '[projections.orders_flat]\nkind = "flatten"\n'
-    printf '%s\n' "$sections"
-} > "$work/pipeline.toml"
+orders_flatten_pipeline "$work" "$log" > "$work/pipeline.toml"
 
 echo "file: $docs customer_orders creates, $(( $(stat -c %s "$log") / 1048576 )) MiB; $(nproc) cores"
 rm -rf "$work/pyarrow"
 python3 benches/parquet_flatten.py "$log" "$work/pyarrow" | tee "$work/pyarrow.txt"
 
 rm -rf "$work/state" "$work/out"
-if [ -x /usr/bin/time ]; then
-    RUST_LOG=warn /usr/bin/time -f '%e %M %U %S' -o "$work/time" \
-        "$refract" run "$work/pipeline.toml" --until-caught-up --summary-json "$work/summary.json" >/dev/null
-else   # wall seconds, peak RSS (KiB), user and system CPU seconds of the child, as /usr/bin/time -f '%e %M %U %S' prints them
-    RUST_LOG=warn python3 -c '
-import resource, subprocess, sys, time
-t = time.perf_counter()
-subprocess.run(sys.argv[2:], check=True, stdout=subprocess.DEVNULL)
-r = resource.getrusage(resource.RUSAGE_CHILDREN)
-print(f"{time.perf_counter() - t:.2f} {r.ru_maxrss} {r.ru_utime:.2f} {r.ru_stime:.2f}", file=open(sys.argv[1], "w"))
-' "$work/time" "$refract" run "$work/pipeline.toml" --until-caught-up --summary-json "$work/summary.json"
-fi
+RUST_LOG=warn timed "$work/time" \
+    "$refract" run "$work/pipeline.toml" --until-caught-up --summary-json "$work/summary.json"
 
 # For planning: the columnar probe (benches/columnar_probe.rs) decodes the same file straight
 # into Arrow builders and writes the three tables, with no change log, positions or compaction.
