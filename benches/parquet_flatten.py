@@ -123,6 +123,6 @@ secs = time.perf_counter() - start
 
 print(f"pyarrow: {rows} docs in {secs:.2f} s = {rows / secs:.0f} docs/s")
 print(f"pyarrow rows: orders {orders.num_rows}, customers {customers.num_rows}, order_items {order_items.num_rows}")
-print(f"pyarrow peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f} MiB")
 usage = resource.getrusage(resource.RUSAGE_SELF)
+print(f"pyarrow peak RSS: {usage.ru_maxrss / 1024:.1f} MiB")
 print(f"pyarrow CPU: {usage.ru_utime + usage.ru_stime:.2f} s")

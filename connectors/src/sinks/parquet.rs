@@ -11,10 +11,10 @@
 //! (zstd, `row_group_rows` per row group); a file is published when it reaches `roll_rows` or
 //! `roll_bytes` (checked between batches, so a file always holds whole batches), when it is
 //! `roll_ms` old, or when the pipeline drains; and while the open files together hold more than
-//! `buffer_bytes`, those written to least recently are published early. Publishing is one PUT (a multipart upload past
-//! [`MULTIPART_THRESHOLD`], aborted on failure): the local backend writes `name#N` and renames
-//! it into place, object stores expose an object only once complete, so a reader never sees a
-//! partial file. The source is acknowledged only for batches whose files are all published.
+//! `buffer_bytes`, those written to least recently are published early. Publishing is one PUT
+//! (a multipart upload past [`MULTIPART_THRESHOLD`], aborted on failure): the local backend
+//! writes `name#N` and renames it into place, object stores expose an object only once
+//! complete, so a reader never sees a partial file. The source is acknowledged only for batches whose files are all published.
 //!
 //! **Replays.** Files are named by the position range they hold (and a hash of the source
 //! partition). At open, files past the checkpoint the run resumes from are deleted, and a file

@@ -780,9 +780,9 @@ pub struct ParquetSinkConfig {
     #[serde(default = "default_roll_ms")]
     pub roll_ms: u64,
     /// The open change-log files together hold at most about this many bytes in memory (their
-    /// encoded data and buffered row groups), 16 MiB to 64 GiB: past it the largest are
-    /// published early. Files are open per table and commit day, so a replay of many days
-    /// would otherwise keep everything read within `roll_ms` in memory.
+    /// encoded data and buffered row groups), 16 MiB to 64 GiB: past it, those written to
+    /// least recently are published early. Files are open per table and commit day, so a
+    /// replay of many days would otherwise keep everything read within `roll_ms` in memory.
     #[serde(default = "default_buffer_bytes")]
     pub buffer_bytes: u64,
     /// How often the daemon rebuilds `current/` from the change log, in milliseconds (0 =
