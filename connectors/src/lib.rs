@@ -8,18 +8,23 @@ pub mod registry;
 pub mod sinks;
 pub mod sources;
 
+pub mod intake;
+
 use async_trait::async_trait;
-use refract_projections::WriteOp;
 use refract_schemas::debezium::DecodeError;
+use refract_schemas::write::WriteOp;
 use refract_schemas::{Checkpoint, Record};
 use tokio::sync::watch;
+
+pub use intake::Intake;
 
 /// A batch of write operations for one sink, in source order.
 #[derive(Debug, Default)]
 pub struct SinkBatch {
     /// Sequence number of the runtime batch this belongs to (strictly increasing).
     pub seq: u64,
-    /// The operations, in the order the source emitted the changes that produced them.
+    /// The operations, in the order the source emitted the changes that produced them. Each
+    /// belongs to a family the sink accepts: `refract validate` refuses any other route.
     pub ops: Vec<WriteOp>,
 }
 
@@ -50,39 +55,27 @@ pub struct WriteReport {
 /// - *Classified errors.* A [`SinkError`] that [`is_retryable`](SinkError::is_retryable) makes the
 ///   runtime retry the same batch with backoff while the checkpoint stays put; any other error
 ///   stops the pipeline loudly. A sink never skips an operation to make progress.
+/// - *Only what it accepts.* A sink kind declares the families of operations it applies (its
+///   [`Intake`] type); the runtime hands it nothing else, because `refract validate` refuses a
+///   route from a projection that emits other families.
 ///
 /// **Buffering sinks** (Parquet files that hold many batches) may return from `write` before a
-/// batch is durable, if they say so through [`Sink::durable_through`]: the runtime then holds
-/// the checkpoint until the sink reports the batch durable, calls [`Sink::flush`] at the sink's
-/// [`Sink::flush_deadline`] and when the pipeline drains, and tells the sink at start where the
-/// run resumes ([`Sink::resume_from`]) so it can drop what it published past that point.
+/// batch is durable, if they say so through [`Sink::buffered`]: the runtime then holds the
+/// checkpoint until the sink reports the batch durable, calls [`Sink::flush`] at the sink's
+/// flush deadline and when the pipeline drains, and tells the sink at [`Sink::open`] where the
+/// run resumes, so it can drop what it published past that point.
 #[async_trait]
 pub trait Sink: Send {
-    /// The sink's name in the pipeline file.
-    fn name(&self) -> &str;
-
-    /// Connects and prepares the target (creating what is missing). Called once before writes;
-    /// retried by the runtime on retryable errors.
-    async fn open(&mut self) -> Result<(), SinkError>;
+    /// Connects and prepares the target (creating what is missing), knowing the checkpoint the
+    /// run resumes from. Called before writes; retried by the runtime on retryable errors.
+    async fn open(&mut self, resume: &Checkpoint) -> Result<(), SinkError>;
 
     /// Applies a batch durably (see the trait documentation).
     async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError>;
 
-    /// Flushes and releases resources at shutdown.
-    async fn close(&mut self) -> Result<(), SinkError>;
-
-    /// Called once before [`Sink::open`] with the checkpoint the run resumes from.
-    fn resume_from(&mut self, _checkpoint: &Checkpoint) {}
-
-    /// For a buffering sink, the newest batch `seq` whose effects (and those of every batch
-    /// before it) are durable; `None` (the default) when every batch is durable once `write`
-    /// returns.
-    fn durable_through(&self) -> Option<u64> {
-        None
-    }
-
-    /// When a buffering sink wants [`Sink::flush`] called although no batch arrives.
-    fn flush_deadline(&self) -> Option<std::time::Instant> {
+    /// For a buffering sink, how far its batches are durable and when it wants [`Sink::flush`]
+    /// called; `None` (the default) when every batch is durable once `write` returns.
+    fn buffered(&self) -> Option<Buffered> {
         None
     }
 
@@ -91,17 +84,29 @@ pub trait Sink: Send {
         Ok(())
     }
 
-    /// Something the run's summary must tell the user after [`Sink::close`] (a sink that wrote
-    /// somewhere else than configured, say).
-    fn notice(&self) -> Option<String> {
-        None
-    }
+    /// Flushes and releases resources at shutdown; returns what the run's summary must tell
+    /// the user (a sink that wrote somewhere else than configured, say).
+    async fn close(&mut self) -> Result<Option<String>, SinkError>;
+}
 
+/// The state of a buffering sink's buffer (see [`Sink::buffered`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Buffered {
+    /// The newest batch `seq` whose effects (and those of every batch before it) are durable.
+    pub durable_through: u64,
+    /// When the sink wants [`Sink::flush`] called although no batch arrives.
+    pub flush_deadline: Option<std::time::Instant>,
+}
+
+/// A sink as the registry builds it: the sink and what the runtime needs to know about it.
+pub struct BuiltSink {
+    /// The sink's name in the pipeline file.
+    pub name: String,
+    /// The sink, not yet opened.
+    pub sink: Box<dyn Sink>,
     /// How long a batch may keep failing (and being retried) before the pipeline reports itself
     /// unhealthy; it goes on retrying.
-    fn unhealthy_after(&self) -> std::time::Duration {
-        DEFAULT_UNHEALTHY_AFTER
-    }
+    pub unhealthy_after: std::time::Duration,
 }
 
 /// Default bound on how long a batch may wait for a failing sink before the pipeline reports
@@ -139,6 +144,15 @@ impl SinkError {
     /// Whether the runtime should retry the batch.
     pub fn is_retryable(&self) -> bool {
         matches!(self, SinkError::Transient { .. })
+    }
+
+    /// A write before the sink was opened: a bug in the runtime, reported rather than panicking.
+    pub fn not_open(sink: &str) -> Self {
+        SinkError::Permanent {
+            sink: sink.to_owned(),
+            message: "written to before it was opened".into(),
+            source: None,
+        }
     }
 }
 

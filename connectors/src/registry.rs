@@ -1,7 +1,10 @@
 //! The one place that turns configuration into connectors. Every source and sink kind refract
-//! knows is in these two `match`es.
+//! knows is in these `match`es.
+
+use std::time::Duration;
 
 use refract_schemas::config::{SinkConfig, SourceConfig};
+use refract_schemas::write::OpFamily;
 
 use crate::sinks::null::NullSink;
 use crate::sinks::object_json::ObjectJsonSink;
@@ -10,7 +13,7 @@ use crate::sinks::postgres::PostgresSink;
 use crate::sinks::redis::RedisSink;
 use crate::sources::file::FileSource;
 use crate::sources::postgres::source::PostgresSource;
-use crate::{Sink, Source, SourceContext};
+use crate::{BuiltSink, DEFAULT_UNHEALTHY_AFTER, Source, SourceContext};
 
 /// Builds the configured source (not yet started).
 pub fn build_source(config: &SourceConfig, context: SourceContext) -> Box<dyn Source> {
@@ -21,12 +24,41 @@ pub fn build_source(config: &SourceConfig, context: SourceContext) -> Box<dyn So
 }
 
 /// Builds the sink `name` (not yet opened).
-pub fn build_sink(name: &str, config: &SinkConfig) -> Box<dyn Sink> {
+pub fn build_sink(name: &str, config: &SinkConfig) -> BuiltSink {
+    let (sink, unhealthy_after): (Box<dyn crate::Sink>, _) = match config {
+        SinkConfig::ObjectJson(c) => (
+            Box::new(ObjectJsonSink::new(name, c.clone())),
+            DEFAULT_UNHEALTHY_AFTER,
+        ),
+        SinkConfig::Redis(c) => (
+            Box::new(RedisSink::new(name, c.clone())),
+            Duration::from_millis(c.unhealthy_after_ms),
+        ),
+        SinkConfig::Parquet(c) => (
+            Box::new(ParquetSink::new(name, c.clone())),
+            DEFAULT_UNHEALTHY_AFTER,
+        ),
+        SinkConfig::Postgres(c) => (
+            Box::new(PostgresSink::new(name, c.clone())),
+            DEFAULT_UNHEALTHY_AFTER,
+        ),
+        SinkConfig::Null(_) => (Box::new(NullSink::new(name)), DEFAULT_UNHEALTHY_AFTER),
+    };
+    BuiltSink {
+        name: name.to_owned(),
+        sink,
+        unhealthy_after,
+    }
+}
+
+/// The families of write operations a sink of this kind accepts, as each sink declares them:
+/// `refract validate` refuses a route from a projection that emits anything else.
+pub fn accepts(config: &SinkConfig) -> &'static [OpFamily] {
     match config {
-        SinkConfig::ObjectJson(c) => Box::new(ObjectJsonSink::new(name, c.clone())),
-        SinkConfig::Redis(c) => Box::new(RedisSink::new(name, c.clone())),
-        SinkConfig::Parquet(c) => Box::new(ParquetSink::new(name, c.clone())),
-        SinkConfig::Postgres(c) => Box::new(PostgresSink::new(name, c.clone())),
-        SinkConfig::Null(_) => Box::new(NullSink::new(name)),
+        SinkConfig::ObjectJson(_) => ObjectJsonSink::ACCEPTS,
+        SinkConfig::Redis(_) => RedisSink::ACCEPTS,
+        SinkConfig::Parquet(_) => ParquetSink::ACCEPTS,
+        SinkConfig::Postgres(_) => PostgresSink::ACCEPTS,
+        SinkConfig::Null(_) => NullSink::ACCEPTS,
     }
 }

@@ -4,6 +4,7 @@
 pub mod backfill;
 pub mod checkpoint;
 pub mod drop;
+pub mod families;
 pub mod plan;
 pub mod runtime;
 pub mod verify;

@@ -117,7 +117,7 @@ fn main() -> ExitCode {
         Command::Validate { pipelines } => {
             let mut failed = false;
             for path in pipelines {
-                match config::load(&path) {
+                match refract::families::load(&path) {
                     Ok(loaded) => println!(
                         "{}: ok ({} projection(s), {} sink(s))",
                         path.display(),
@@ -328,7 +328,7 @@ fn with_pipeline(
     path: &std::path::Path,
     command: impl FnOnce(LoadedPipeline, &tokio::runtime::Runtime) -> ExitCode,
 ) -> ExitCode {
-    let loaded = match config::load(path) {
+    let loaded = match refract::families::load(path) {
         Ok(l) => l,
         Err(errors) => {
             eprintln!("{errors}");

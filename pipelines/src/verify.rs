@@ -16,7 +16,7 @@ use std::fmt::Write as _;
 
 use refract_connectors::SourceError;
 use refract_connectors::sources::postgres::tables::{TableReader, read_documents};
-use refract_projections::WriteOp;
+use refract_projections::{DocumentOp, WriteOp};
 use refract_schemas::config::{LoadedPipeline, ProjectionConfig, SinkConfig, SourceConfig};
 use refract_schemas::{Checkpoint, Position};
 use serde_json::Value;
@@ -355,8 +355,10 @@ fn step(
             .map_err(|e| e.to_string())?;
     }
     for op in ops.drain(..) {
+        // `verify` compares document read models; other families have nothing to compare.
+        let WriteOp::Document(op) = op else { continue };
         match op {
-            WriteOp::Upsert {
+            DocumentOp::Upsert {
                 collection,
                 key,
                 doc,
@@ -367,17 +369,16 @@ fn step(
                     .or_default()
                     .insert(key, Value::from((*doc).clone()));
             }
-            WriteOp::Delete {
+            DocumentOp::Delete {
                 collection, key, ..
             } => {
                 if let Some(c) = expected.get_mut(&*collection) {
                     c.remove(&key);
                 }
             }
-            WriteOp::Truncate { collection, .. } => {
+            DocumentOp::Truncate { collection, .. } => {
                 expected.remove(&*collection);
             }
-            WriteOp::Invalidate { .. } | WriteOp::Flat { .. } => {}
         }
     }
     if let Some(keyed) = keyed {

@@ -20,10 +20,9 @@ use refract_schemas::template::{KeyTemplate, RenderError};
 use refract_schemas::{ChangeEvent, Op, Row, TableId};
 use serde_json::Value;
 
-use crate::{Projection, ProjectionError, WriteOp};
+use crate::{Invalidation, OpFamily, Projection, ProjectionError, WriteOp};
 
-/// Version carried by the invalidations of a deleted row: no cached value of it is current.
-pub const DELETED_VERSION: i64 = i64::MAX;
+pub use refract_schemas::write::DELETED_VERSION;
 
 /// The cache-invalidation projection.
 pub struct CacheInvalidationProjection {
@@ -40,6 +39,9 @@ struct TableRule {
 }
 
 impl CacheInvalidationProjection {
+    /// The families of write operations this projection emits.
+    pub const EMITS: &'static [OpFamily] = &[OpFamily::Invalidations];
+
     /// Builds the projection; the configuration has been validated (templates parse).
     pub fn new(config: &CacheInvalidationProjectionConfig) -> Self {
         let rules = config
@@ -167,13 +169,13 @@ impl Projection for CacheInvalidationProjection {
         let push = |key: String, out: &mut Vec<WriteOp>| {
             if !out[first..]
                 .iter()
-                .any(|op| matches!(op, WriteOp::Invalidate { key: k, .. } if *k == key))
+                .any(|op| matches!(op, WriteOp::Invalidate(i) if i.key == key))
             {
-                out.push(WriteOp::Invalidate {
+                out.push(WriteOp::Invalidate(Invalidation {
                     key,
                     version,
                     position: event.position.clone(),
-                });
+                }));
             }
         };
         let mut unknown: Vec<String> = Vec::new();

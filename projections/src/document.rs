@@ -41,7 +41,7 @@ use refract_schemas::config::DocumentProjectionConfig;
 use refract_schemas::{ChangeEvent, Op, Position, TableId};
 
 use crate::state::StateStore;
-use crate::{Projection, ProjectionError, WriteOp};
+use crate::{DocumentOp, OpFamily, Projection, ProjectionError, WriteOp};
 use shape::{Shape, document_key};
 
 /// The document projection.
@@ -56,6 +56,9 @@ pub struct DocumentProjection {
 }
 
 impl DocumentProjection {
+    /// The families of write operations this projection emits.
+    pub const EMITS: &'static [OpFamily] = &[OpFamily::Documents];
+
     /// Builds the projection from its configuration (validated). The collection defaults to the
     /// projection's name when loaded from a pipeline file; a configuration built in code without
     /// one uses the root table's name.
@@ -135,10 +138,10 @@ impl Projection for DocumentProjection {
             }
             let t = u8::try_from(t).expect("validation bounds the number of tables");
             if event.op == Op::Truncate && t == shape.root {
-                out.push(WriteOp::Truncate {
+                out.push(WriteOp::Document(DocumentOp::Truncate {
                     collection: collection.clone(),
                     position: event.position.clone(),
-                });
+                }));
             }
             mirror::apply(store, shape, t, event)?;
         }
@@ -166,19 +169,21 @@ impl Projection for DocumentProjection {
         mirror::drain_prefix(store, &[keys::DIRTY], &mut |store, mark| {
             let id = keys::components(&mark[1..])?;
             let key = document_key(&id);
-            out.push(match build::document(store, shape, &id)? {
-                Some(doc) => WriteOp::Upsert {
-                    collection: collection.clone(),
-                    key,
-                    doc: Arc::new(doc),
-                    position: position.clone(),
+            out.push(WriteOp::Document(
+                match build::document(store, shape, &id)? {
+                    Some(doc) => DocumentOp::Upsert {
+                        collection: collection.clone(),
+                        key,
+                        doc: Arc::new(doc),
+                        position: position.clone(),
+                    },
+                    None => DocumentOp::Delete {
+                        collection: collection.clone(),
+                        key,
+                        position: position.clone(),
+                    },
                 },
-                None => WriteOp::Delete {
-                    collection: collection.clone(),
-                    key,
-                    position: position.clone(),
-                },
-            });
+            ));
             Ok(store.remove(mark)?)
         })
     }

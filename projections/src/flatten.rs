@@ -37,7 +37,7 @@ pub use schema::{FlatChange, FlatColumn, FlatOp, FlatSchema, FlatType, FlatValue
 use schema::{cast, change, fit, infer, kind, short};
 use unmapped::collect;
 
-use crate::{Projection, ProjectionError, WriteOp};
+use crate::{OpFamily, Projection, ProjectionError, WriteOp};
 
 /// The flatten projection.
 pub struct FlattenProjection {
@@ -330,6 +330,9 @@ fn field_prefix(path: &FieldPath) -> String {
 }
 
 impl FlattenProjection {
+    /// The families of write operations this projection emits.
+    pub const EMITS: &'static [OpFamily] = &[OpFamily::Rows];
+
     /// Builds the projection from its (validated) configuration.
     pub fn new(config: &FlattenProjectionConfig) -> Self {
         let mut json_columns = BTreeSet::new();

@@ -10,59 +10,10 @@ pub mod flatten;
 pub mod replica;
 pub mod state;
 
-use std::sync::Arc;
+use refract_schemas::config::ProjectionConfig;
+use refract_schemas::{ChangeEvent, Position, TableId};
 
-use refract_schemas::{ChangeEvent, Position, Row, TableId};
-
-/// One operation on a read model, produced by a projection and applied by a sink.
-#[derive(Clone, Debug, PartialEq)]
-pub enum WriteOp {
-    /// Create or replace the document `key` of `collection`.
-    Upsert {
-        /// Collection (table, directory, key prefix) the document belongs to.
-        collection: Arc<str>,
-        /// The document's key, unique within the collection.
-        key: String,
-        /// The document.
-        doc: Arc<Row>,
-        /// Position of the change that produced it (sinks use it to guard against replays).
-        position: Position,
-    },
-    /// Remove the document `key` of `collection` (absent documents are fine: deletes are idempotent).
-    Delete {
-        /// Collection of the document.
-        collection: Arc<str>,
-        /// Key of the document.
-        key: String,
-        /// Position of the change that produced it.
-        position: Position,
-    },
-    /// Make the cache entry `key` (an absolute key, no collection) stale: delete it, or replace it
-    /// with a tombstone carrying `version`. Emitted only for committed changes.
-    Invalidate {
-        /// The cache key.
-        key: String,
-        /// The row version the change produced ([`cache_invalidation::DELETED_VERSION`] for a
-        /// deleted row); cached values older than it are stale. `None` without a version column.
-        version: Option<i64>,
-        /// Position of the change that produced it.
-        position: Position,
-    },
-    /// A row change of a flat analytical table (from a `flatten` projection).
-    Flat {
-        /// The change, with the table's schema.
-        change: flatten::FlatChange,
-        /// Position of the source change that produced it.
-        position: Position,
-    },
-    /// Remove every document of `collection`.
-    Truncate {
-        /// The collection to empty.
-        collection: Arc<str>,
-        /// Position of the change that produced it.
-        position: Position,
-    },
-}
+pub use refract_schemas::write::{DocumentOp, Invalidation, OpFamily, RowChange, WriteOp};
 
 /// Why a projection could not handle an event; the runtime dead-letters the event or stops.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -161,8 +112,7 @@ pub trait Projection: Send {
 
 /// The one place that turns projection configuration into projections: every kind is in this
 /// `match`.
-pub fn build(config: &refract_schemas::config::ProjectionConfig) -> Box<dyn Projection> {
-    use refract_schemas::config::ProjectionConfig;
+pub fn build(config: &ProjectionConfig) -> Box<dyn Projection> {
     match config {
         ProjectionConfig::Replica(c) => Box::new(replica::ReplicaProjection::new(c.clone())),
         ProjectionConfig::CacheInvalidation(c) => {
@@ -170,6 +120,19 @@ pub fn build(config: &refract_schemas::config::ProjectionConfig) -> Box<dyn Proj
         }
         ProjectionConfig::Flatten(c) => Box::new(flatten::FlattenProjection::new(c)),
         ProjectionConfig::Document(c) => Box::new(document::DocumentProjection::new(c)),
+    }
+}
+
+/// The families of write operations a projection of this kind emits, as each kind declares
+/// them: `refract validate` refuses a route to a sink that does not accept all of them.
+pub fn emits(config: &ProjectionConfig) -> &'static [OpFamily] {
+    match config {
+        ProjectionConfig::Replica(_) => replica::ReplicaProjection::EMITS,
+        ProjectionConfig::CacheInvalidation(_) => {
+            cache_invalidation::CacheInvalidationProjection::EMITS
+        }
+        ProjectionConfig::Flatten(_) => flatten::FlattenProjection::EMITS,
+        ProjectionConfig::Document(_) => document::DocumentProjection::EMITS,
     }
 }
 

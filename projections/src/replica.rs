@@ -12,7 +12,7 @@ use refract_schemas::config::ReplicaProjectionConfig;
 use refract_schemas::{ChangeEvent, Op, Row, TableId};
 use serde_json::Value;
 
-use crate::{Projection, ProjectionError, WriteOp};
+use crate::{DocumentOp, OpFamily, Projection, ProjectionError, WriteOp};
 
 /// The replica projection.
 pub struct ReplicaProjection {
@@ -44,6 +44,9 @@ struct TableRule {
 }
 
 impl ReplicaProjection {
+    /// The families of write operations this projection emits.
+    pub const EMITS: &'static [OpFamily] = &[OpFamily::Documents];
+
     /// Builds the projection from its configuration.
     pub fn new(config: ReplicaProjectionConfig) -> Self {
         Self {
@@ -238,21 +241,21 @@ impl Projection for ReplicaProjection {
                         // sends only changed keys) cannot have moved the key.
                         if let Ok(old) = Self::key(rule, event, before) {
                             if old != key {
-                                out.push(WriteOp::Delete {
+                                out.push(WriteOp::Document(DocumentOp::Delete {
                                     collection: collection.clone(),
                                     key: old,
                                     position: position.clone(),
-                                });
+                                }));
                             }
                         }
                     }
                 }
-                out.push(WriteOp::Upsert {
+                out.push(WriteOp::Document(DocumentOp::Upsert {
                     collection,
                     key,
                     doc: after.clone(),
                     position,
-                });
+                }));
             }
             Op::Delete => {
                 let before = event
@@ -260,16 +263,16 @@ impl Projection for ReplicaProjection {
                     .as_deref()
                     .ok_or_else(|| ProjectionError::Invalid("no before image".into()))?;
                 let key = Self::key(rule, event, before)?;
-                out.push(WriteOp::Delete {
+                out.push(WriteOp::Document(DocumentOp::Delete {
                     collection,
                     key,
                     position,
-                });
+                }));
             }
-            Op::Truncate => out.push(WriteOp::Truncate {
+            Op::Truncate => out.push(WriteOp::Document(DocumentOp::Truncate {
                 collection,
                 position,
-            }),
+            })),
         }
         Ok(())
     }
@@ -307,15 +310,17 @@ mod tests {
         Ok(out
             .iter()
             .map(|op| match op {
-                WriteOp::Upsert {
+                WriteOp::Document(DocumentOp::Upsert {
                     collection, key, ..
-                } => format!("U {collection}/{key}"),
-                WriteOp::Delete {
+                }) => format!("U {collection}/{key}"),
+                WriteOp::Document(DocumentOp::Delete {
                     collection, key, ..
-                } => format!("D {collection}/{key}"),
-                WriteOp::Truncate { collection, .. } => format!("T {collection}"),
-                WriteOp::Invalidate { key, .. } => format!("I {key}"),
-                WriteOp::Flat { change, .. } => format!("F {}", change.schema.table),
+                }) => format!("D {collection}/{key}"),
+                WriteOp::Document(DocumentOp::Truncate { collection, .. }) => {
+                    format!("T {collection}")
+                }
+                WriteOp::Invalidate(i) => format!("I {}", i.key),
+                WriteOp::Row(r) => format!("F {}", r.change.schema.table),
             })
             .collect())
     }

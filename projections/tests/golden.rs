@@ -6,7 +6,9 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use refract_projections::{Projection, WriteOp, replica::ReplicaProjection};
+use refract_projections::{
+    DocumentOp, Invalidation, Projection, RowChange, WriteOp, replica::ReplicaProjection,
+};
 use refract_schemas::config::ReplicaProjectionConfig;
 use refract_schemas::debezium::DebeziumDecoder;
 use refract_schemas::{Offset, Position, Record};
@@ -36,22 +38,22 @@ fn run_golden(name: &str, projection: &mut dyn Projection) {
         for op in ops {
             rendered.push(
                 match op {
-                    WriteOp::Upsert {
+                    WriteOp::Document(DocumentOp::Upsert {
                         collection,
                         key,
                         doc,
                         ..
-                    } => json!({"line": i + 1, "upsert": *collection, "key": key, "doc": *doc}),
-                    WriteOp::Delete {
+                    }) => json!({"line": i + 1, "upsert": *collection, "key": key, "doc": *doc}),
+                    WriteOp::Document(DocumentOp::Delete {
                         collection, key, ..
-                    } => json!({"line": i + 1, "delete": *collection, "key": key}),
-                    WriteOp::Truncate { collection, .. } => {
+                    }) => json!({"line": i + 1, "delete": *collection, "key": key}),
+                    WriteOp::Document(DocumentOp::Truncate { collection, .. }) => {
                         json!({"line": i + 1, "truncate": *collection})
                     }
-                    WriteOp::Invalidate { key, version, .. } => {
+                    WriteOp::Invalidate(Invalidation { key, version, .. }) => {
                         json!({"line": i + 1, "invalidate": key, "version": version})
                     }
-                    WriteOp::Flat { change, .. } => {
+                    WriteOp::Row(RowChange { change, .. }) => {
                         json!({"line": i + 1, "flat": *change.schema.table, "op": change.op.code()})
                     }
                 }

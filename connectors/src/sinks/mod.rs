@@ -1,5 +1,6 @@
 //! Sinks: where write operations are applied. One file per kind; see [`crate::registry`].
 
+pub(crate) mod documents;
 pub mod null;
 pub mod object_json;
 pub mod parquet;

@@ -1,9 +1,14 @@
 //! `kind = "null"`: accepts and discards every operation (benchmarks, dry runs).
 
 use async_trait::async_trait;
-use refract_projections::WriteOp;
+use refract_schemas::Checkpoint;
+use refract_schemas::write::flat::FlatOp;
+use refract_schemas::write::{DocumentOp, OpFamily, WriteOp};
 
-use crate::{Sink, SinkBatch, SinkError, WriteReport};
+use crate::{Intake, Sink, SinkBatch, SinkError, WriteReport};
+
+/// What the null sink accepts: everything.
+type Accepted<'a> = &'a WriteOp;
 
 /// The null sink.
 pub struct NullSink {
@@ -11,6 +16,9 @@ pub struct NullSink {
 }
 
 impl NullSink {
+    /// The families of write operations this sink accepts.
+    pub const ACCEPTS: &'static [OpFamily] = <Accepted<'static> as Intake<'static>>::FAMILIES;
+
     /// A null sink named `name`.
     pub fn new(name: &str) -> Self {
         Self {
@@ -21,32 +29,28 @@ impl NullSink {
 
 #[async_trait]
 impl Sink for NullSink {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    async fn open(&mut self) -> Result<(), SinkError> {
+    async fn open(&mut self, _resume: &Checkpoint) -> Result<(), SinkError> {
         Ok(())
     }
 
     async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
         let mut report = WriteReport::default();
-        for op in &batch.ops {
-            match op {
-                WriteOp::Upsert { .. } => report.upserted += 1,
-                WriteOp::Flat { change, .. } => match change.op {
-                    refract_projections::flatten::FlatOp::Upsert => report.upserted += 1,
-                    _ => report.deleted += 1,
-                },
-                WriteOp::Delete { .. } | WriteOp::Truncate { .. } | WriteOp::Invalidate { .. } => {
-                    report.deleted += 1
-                }
+        for op in batch.intake::<Accepted>(&self.name)? {
+            let upsert = match op {
+                WriteOp::Document(op) => matches!(op, DocumentOp::Upsert { .. }),
+                WriteOp::Row(row) => row.change.op == FlatOp::Upsert,
+                WriteOp::Invalidate(_) => false,
+            };
+            if upsert {
+                report.upserted += 1;
+            } else {
+                report.deleted += 1;
             }
         }
         Ok(report)
     }
 
-    async fn close(&mut self) -> Result<(), SinkError> {
-        Ok(())
+    async fn close(&mut self) -> Result<Option<String>, SinkError> {
+        Ok(None)
     }
 }

@@ -11,22 +11,26 @@
 //! anyway), concurrently up to `concurrency` requests. Truncates split the batch so that ordering
 //! around them is kept.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use futures::{StreamExt, TryStreamExt, stream};
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
-use refract_projections::WriteOp;
+use refract_schemas::Checkpoint;
 use refract_schemas::config::ObjectJsonSinkConfig;
+use refract_schemas::write::{DocumentOp, OpFamily};
 use url::Url;
 
-use crate::{Sink, SinkBatch, SinkError, WriteReport};
+use crate::sinks::documents::{Keyed, segments};
+use crate::{Intake, Sink, SinkBatch, SinkError, WriteReport};
 
 /// Longest object name: the limit of common local file systems (ext4, xfs), and well within
 /// what S3, GCS and Azure accept.
 const MAX_OBJECT_NAME_BYTES: usize = 255;
+
+/// What the object-store JSON sink accepts: documents.
+type Accepted<'a> = &'a DocumentOp;
 
 /// The object-store JSON sink.
 pub struct ObjectJsonSink {
@@ -37,6 +41,9 @@ pub struct ObjectJsonSink {
 }
 
 impl ObjectJsonSink {
+    /// The families of write operations this sink accepts.
+    pub const ACCEPTS: &'static [OpFamily] = <Accepted<'static> as Intake<'static>>::FAMILIES;
+
     /// A sink named `name`; nothing is connected before [`Sink::open`].
     pub fn new(name: &str, config: ObjectJsonSinkConfig) -> Self {
         Self {
@@ -44,6 +51,31 @@ impl ObjectJsonSink {
             config,
             store: None,
             root: Path::default(),
+        }
+    }
+
+    /// Writes or deletes the object of one document; `Ok(true)` for a write.
+    async fn apply(&self, store: Arc<dyn ObjectStore>, op: Keyed<'_>) -> Result<bool, SinkError> {
+        self.check_key(op.key())?;
+        let path = self.object_path(op.collection(), op.key());
+        match op {
+            Keyed::Upsert { doc, .. } => {
+                let bytes = if self.config.pretty {
+                    serde_json::to_vec_pretty(&**doc)
+                } else {
+                    serde_json::to_vec(&**doc)
+                }
+                .expect("a JSON map serializes");
+                store
+                    .put(&path, PutPayload::from(bytes))
+                    .await
+                    .map_err(|e| self.transient(format!("cannot write {path}"), e))?;
+                Ok(true)
+            }
+            Keyed::Delete { .. } => match store.delete(&path).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(false),
+                Err(e) => Err(self.transient(format!("cannot delete {path}"), e)),
+            },
         }
     }
 
@@ -150,11 +182,7 @@ pub(crate) fn remove_local_staging_files(dir: &std::path::Path) -> std::io::Resu
 
 #[async_trait]
 impl Sink for ObjectJsonSink {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    async fn open(&mut self) -> Result<(), SinkError> {
+    async fn open(&mut self, _resume: &Checkpoint) -> Result<(), SinkError> {
         let (store, root) =
             open_store(&self.config.url).map_err(|message| SinkError::Permanent {
                 sink: self.name.clone(),
@@ -182,97 +210,22 @@ impl Sink for ObjectJsonSink {
     }
 
     async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
-        let store = self.store.clone().expect("write after open");
-        if batch
-            .ops
-            .iter()
-            .any(|op| matches!(op, WriteOp::Invalidate { .. } | WriteOp::Flat { .. }))
-        {
-            return Err(SinkError::Permanent {
-                sink: self.name.clone(),
-                message: "cannot apply cache invalidations or flat rows: write them to a `redis` or `parquet` sink".into(),
-                source: None,
-            });
-        }
+        let store = self
+            .store
+            .clone()
+            .ok_or_else(|| SinkError::not_open(&self.name))?;
+        let ops = batch.intake::<Accepted>(&self.name)?;
         let mut report = WriteReport::default();
-        for segment in batch
-            .ops
-            .split_inclusive(|op| matches!(op, WriteOp::Truncate { .. }))
-        {
-            let (body, truncate) = match segment.split_last() {
-                Some((WriteOp::Truncate { collection, .. }, body)) => (body, Some(collection)),
-                _ => (segment, None),
-            };
-            // Last operation per key wins; keep first-seen order for determinism.
-            let mut last: HashMap<(&str, &str), usize> = HashMap::with_capacity(body.len());
-            for (i, op) in body.iter().enumerate() {
-                let key = match op {
-                    WriteOp::Upsert {
-                        collection, key, ..
-                    }
-                    | WriteOp::Delete {
-                        collection, key, ..
-                    } => (&**collection, key.as_str()),
-                    WriteOp::Truncate { .. }
-                    | WriteOp::Invalidate { .. }
-                    | WriteOp::Flat { .. } => {
-                        unreachable!(
-                            "truncates end segments; invalidations and flat rows are refused above"
-                        )
-                    }
-                };
-                last.insert(key, i);
-            }
-            report.coalesced += (body.len() - last.len()) as u64;
-            let mut winners: Vec<usize> = last.into_values().collect();
-            winners.sort_unstable();
-            let pretty = self.config.pretty;
-            let this = &*self;
-            let results: Vec<Result<bool, SinkError>> =
-                stream::iter(winners.into_iter().map(|i| {
-                    let store = store.clone();
-                    async move {
-                        match &body[i] {
-                            WriteOp::Upsert {
-                                collection,
-                                key,
-                                doc,
-                                ..
-                            } => {
-                                this.check_key(key)?;
-                                let path = this.object_path(collection, key);
-                                let bytes = if pretty {
-                                    serde_json::to_vec_pretty(&**doc)
-                                } else {
-                                    serde_json::to_vec(&**doc)
-                                }
-                                .expect("a JSON map serializes");
-                                store
-                                    .put(&path, PutPayload::from(bytes))
-                                    .await
-                                    .map_err(|e| {
-                                        this.transient(format!("cannot write {path}"), e)
-                                    })?;
-                                Ok(true)
-                            }
-                            WriteOp::Delete {
-                                collection, key, ..
-                            } => {
-                                this.check_key(key)?;
-                                let path = this.object_path(collection, key);
-                                match store.delete(&path).await {
-                                    Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(false),
-                                    Err(e) => {
-                                        Err(this.transient(format!("cannot delete {path}"), e))
-                                    }
-                                }
-                            }
-                            WriteOp::Truncate { .. }
-                            | WriteOp::Invalidate { .. }
-                            | WriteOp::Flat { .. } => unreachable!(),
-                        }
-                    }
-                }))
+        for segment in segments(&ops) {
+            report.coalesced += segment.coalesced;
+            // Collected first: a lazy `map` inside this `Send` future trips the compiler's
+            // higher-ranked lifetime check.
+            let writes: Vec<_> = segment
+                .winners
+                .into_iter()
+                .map(|op| self.apply(store.clone(), op))
+                .collect();
+            let results: Vec<Result<bool, SinkError>> = stream::iter(writes)
                 .buffer_unordered(self.config.concurrency)
                 .collect()
                 .await;
@@ -283,8 +236,8 @@ impl Sink for ObjectJsonSink {
                     report.deleted += 1;
                 }
             }
-            if let Some(collection) = truncate {
-                let prefix = self.root.clone().join(&**collection);
+            if let Some(truncate) = segment.truncate {
+                let prefix = self.root.clone().join(&**truncate.collection);
                 let listed = store.list(Some(&prefix)).map_ok(|m| m.location).boxed();
                 let deleted: Vec<Path> = store
                     .delete_stream(listed)
@@ -297,14 +250,15 @@ impl Sink for ObjectJsonSink {
         Ok(report)
     }
 
-    async fn close(&mut self) -> Result<(), SinkError> {
+    async fn close(&mut self) -> Result<Option<String>, SinkError> {
         self.store = None;
-        Ok(())
+        Ok(None)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use refract_schemas::write::WriteOp;
     use refract_schemas::{Offset, Position, Row};
     use serde_json::json;
 
@@ -322,19 +276,19 @@ mod tests {
         else {
             panic!()
         };
-        WriteOp::Upsert {
+        WriteOp::Document(DocumentOp::Upsert {
             collection: c.into(),
             key: k.into(),
             doc: Arc::new(Row::from(doc)),
             position: pos(),
-        }
+        })
     }
     fn del(c: &str, k: &str) -> WriteOp {
-        WriteOp::Delete {
+        WriteOp::Document(DocumentOp::Delete {
             collection: c.into(),
             key: k.into(),
             position: pos(),
-        }
+        })
     }
 
     fn read(dir: &std::path::Path, c: &str, k: &str) -> Option<serde_json::Value> {
@@ -357,7 +311,7 @@ mod tests {
                 pretty: false,
             },
         );
-        sink.open().await.unwrap();
+        sink.open(&Checkpoint::new()).await.unwrap();
         assert!(
             !dir.path().join("books/x.json#3").exists(),
             "staging leftovers are removed"
@@ -370,10 +324,10 @@ mod tests {
             del("books", "b2"),
             del("books", "never-existed"),
             up("authors", "a1", 1),
-            WriteOp::Truncate {
+            WriteOp::Document(DocumentOp::Truncate {
                 collection: "authors".into(),
                 position: pos(),
-            },
+            }),
             up("authors", "a2", 1),
         ];
         let report = sink.write(&SinkBatch { seq: 1, ops }).await.unwrap();
@@ -414,7 +368,7 @@ mod tests {
                 pretty: false,
             },
         );
-        sink.open().await.unwrap();
+        sink.open(&Checkpoint::new()).await.unwrap();
         let err = sink
             .write(&SinkBatch {
                 seq: 1,
@@ -442,7 +396,7 @@ mod tests {
                 pretty: false,
             },
         );
-        sink.open().await.unwrap();
+        sink.open(&Checkpoint::new()).await.unwrap();
         let err = sink
             .write(&SinkBatch {
                 seq: 1,

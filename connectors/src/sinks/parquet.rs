@@ -40,16 +40,16 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
-use refract_projections::WriteOp;
-use refract_projections::flatten::{FlatOp, FlatSchema};
 use refract_schemas::config::{ParquetSinkConfig, mask_url};
+use refract_schemas::write::flat::{FlatOp, FlatSchema};
+use refract_schemas::write::{OpFamily, RowChange};
 use refract_schemas::{Checkpoint, Offset};
 
 pub use compact::{CompactReport, compact};
 use encode::{FileWriter, Row};
 
 use crate::sinks::object_json::{open_store, remove_local_staging_files};
-use crate::{Sink, SinkBatch, SinkError, WriteReport};
+use crate::{Buffered, Intake, Sink, SinkBatch, SinkError, WriteReport};
 
 /// Files larger than this are uploaded in parts (S3 caps a single PUT at 5 GiB, and parts
 /// resume better on flaky links).
@@ -87,6 +87,9 @@ struct Ready {
     first_seq: u64,
 }
 
+/// What the Parquet sink accepts: rows of flat tables.
+type Accepted<'a> = &'a RowChange;
+
 /// The Parquet sink.
 pub struct ParquetSink {
     name: String,
@@ -101,16 +104,34 @@ pub struct ParquetSink {
     last_seq: u64,
     last_report: WriteReport,
     last_compaction: Instant,
+    metrics: ParquetSinkMetrics,
+}
+
+/// Every metric the Parquet sink emits, made once per sink.
+struct ParquetSinkMetrics {
+    /// `refract_parquet_files_published_total{sink}`: change-log files made durable.
     published: metrics::Counter,
+    /// `refract_parquet_rows_written_total{sink}`: rows in the change-log files published.
     rows_written: metrics::Counter,
 }
 
+impl ParquetSinkMetrics {
+    fn new(sink: &str) -> Self {
+        Self {
+            published: metrics::counter!("refract_parquet_files_published_total", "sink" => sink.to_owned()),
+            rows_written: metrics::counter!("refract_parquet_rows_written_total", "sink" => sink.to_owned()),
+        }
+    }
+}
+
 impl ParquetSink {
+    /// The families of write operations this sink accepts.
+    pub const ACCEPTS: &'static [OpFamily] = <Accepted<'static> as Intake<'static>>::FAMILIES;
+
     /// A sink named `name`; nothing is connected before [`Sink::open`].
     pub fn new(name: &str, config: ParquetSinkConfig) -> Self {
         Self {
-            published: metrics::counter!("refract_parquet_files_published_total", "sink" => name.to_owned()),
-            rows_written: metrics::counter!("refract_parquet_rows_written_total", "sink" => name.to_owned()),
+            metrics: ParquetSinkMetrics::new(name),
             name: name.to_owned(),
             config,
             store: None,
@@ -146,8 +167,10 @@ impl ParquetSink {
         }
     }
 
-    fn store(&self) -> Arc<dyn ObjectStore> {
-        self.store.clone().expect("write after open")
+    fn store(&self) -> Result<Arc<dyn ObjectStore>, SinkError> {
+        self.store
+            .clone()
+            .ok_or_else(|| SinkError::not_open(&self.name))
     }
 
     /// Buffers the rows of `batch` into the open files.
@@ -155,14 +178,7 @@ impl ParquetSink {
         // Rows per (table, day), in batch order, and the newest schema of each table.
         let mut groups: BTreeMap<(Arc<str>, i64), (Arc<FlatSchema>, Arc<str>, Vec<Row<'_>>)> =
             BTreeMap::new();
-        for op in &batch.ops {
-            let WriteOp::Flat { change, position } = op else {
-                return Err(self.error(
-                    true,
-                    "can only hold flat rows: feed it from a `flatten` projection".into(),
-                    None,
-                ));
-            };
+        for RowChange { change, position } in batch.intake::<Accepted>(&self.name)? {
             match change.op {
                 FlatOp::Upsert => report.upserted += 1,
                 FlatOp::Delete | FlatOp::Truncate => report.deleted += 1,
@@ -253,7 +269,7 @@ impl ParquetSink {
             file.last = file
                 .last
                 .max(rows.iter().map(|r| r.position).max().expect("non-empty"));
-            self.rows_written.increment(rows.len() as u64);
+            self.metrics.rows_written.increment(rows.len() as u64);
         }
         Ok(())
     }
@@ -330,8 +346,8 @@ impl ParquetSink {
 
     /// Publishes finished files; those published stay published if a later one fails.
     async fn publish(&mut self) -> Result<(), SinkError> {
-        let store = self.store();
         while let Some(ready) = self.ready.first() {
+            let store = self.store()?;
             put(&*store, &ready.path, ready.bytes.clone())
                 .await
                 .map_err(|e| classify(&self.name, format!("cannot publish {}", ready.path), e))?;
@@ -349,7 +365,7 @@ impl ParquetSink {
                     })?;
             }
             tracing::debug!(sink = %self.name, path = %ready.path, bytes = ready.bytes.len(), "published a change-log file");
-            self.published.increment(1);
+            self.metrics.published.increment(1);
             self.ready.remove(0);
         }
         Ok(())
@@ -534,15 +550,8 @@ fn classify(sink: &str, message: String, e: object_store::Error) -> SinkError {
 
 #[async_trait]
 impl Sink for ParquetSink {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn resume_from(&mut self, checkpoint: &Checkpoint) {
-        self.resume = checkpoint.clone();
-    }
-
-    async fn open(&mut self) -> Result<(), SinkError> {
+    async fn open(&mut self, resume: &Checkpoint) -> Result<(), SinkError> {
+        self.resume = resume.clone();
         let (store, root) = open_store(&self.config.url).map_err(|message| {
             self.error(
                 true,
@@ -564,7 +573,7 @@ impl Sink for ParquetSink {
         }
         self.store = Some(store);
         self.root = root;
-        trim_after_checkpoint(&self.name, self.store(), &self.root, &self.resume).await
+        trim_after_checkpoint(&self.name, self.store()?, &self.root, &self.resume).await
     }
 
     async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
@@ -581,21 +590,20 @@ impl Sink for ParquetSink {
         Ok(self.last_report)
     }
 
-    fn durable_through(&self) -> Option<u64> {
+    fn buffered(&self) -> Option<Buffered> {
         let pending = self.open.values().map(|f| f.first_seq);
         let first = pending.chain(self.ready.iter().map(|r| r.first_seq)).min();
-        Some(first.map_or(self.last_seq, |first| first - 1))
-    }
-
-    fn flush_deadline(&self) -> Option<Instant> {
         let roll = Duration::from_millis(self.config.roll_ms);
         let files = self.open.values().map(|f| f.opened + roll).min();
         let compaction = (self.config.compact_interval_ms > 0)
             .then(|| self.last_compaction + Duration::from_millis(self.config.compact_interval_ms));
-        match (files, compaction) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        Some(Buffered {
+            durable_through: first.map_or(self.last_seq, |first| first - 1),
+            flush_deadline: match (files, compaction) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            },
+        })
     }
 
     async fn flush(&mut self) -> Result<(), SinkError> {
@@ -604,8 +612,8 @@ impl Sink for ParquetSink {
         self.compact_if_due().await
     }
 
-    async fn close(&mut self) -> Result<(), SinkError> {
+    async fn close(&mut self) -> Result<Option<String>, SinkError> {
         self.roll(true)?;
-        self.publish().await
+        self.publish().await.map(|()| None)
     }
 }

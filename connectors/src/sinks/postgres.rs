@@ -17,13 +17,18 @@
 //! overwrites a newer document. (A document deleted later can come back if changes older than
 //! its delete are replayed without the delete: deletes leave no tombstone.)
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use async_trait::async_trait;
-use refract_projections::WriteOp;
+use refract_schemas::Checkpoint;
 use refract_schemas::config::{PostgresSinkConfig, mask_url};
+use refract_schemas::write::{DocumentOp, OpFamily};
 
-use crate::{Sink, SinkBatch, SinkError, WriteReport};
+use crate::sinks::documents::{Keyed, segments};
+use crate::{Intake, Sink, SinkBatch, SinkError, WriteReport};
+
+/// What the PostgreSQL sink accepts: documents.
+type Accepted<'a> = &'a DocumentOp;
 
 /// The PostgreSQL sink.
 pub struct PostgresSink {
@@ -39,6 +44,9 @@ fn quote(name: &str) -> String {
 }
 
 impl PostgresSink {
+    /// The families of write operations this sink accepts.
+    pub const ACCEPTS: &'static [OpFamily] = <Accepted<'static> as Intake<'static>>::FAMILIES;
+
     /// A sink named `name`; nothing is connected before [`Sink::open`].
     pub fn new(name: &str, config: PostgresSinkConfig) -> Self {
         Self {
@@ -113,228 +121,89 @@ impl PostgresSink {
     }
 }
 
-/// The statements of one batch, per collection, after the last operation per key won.
+/// The SQL of one batch: the tables to create first, then the statements, in order.
 #[derive(Default)]
-struct Changes {
-    upserts: Vec<(String, String, String)>,
-    deletes: Vec<(String, String)>,
+struct BatchSql {
+    /// Collections first written by this batch, with their table and its `CREATE TABLE`.
+    creates: Vec<(String, String, String)>,
+    /// Statements and their text-array parameters.
+    statements: Vec<(String, Vec<Vec<String>>)>,
 }
 
-#[async_trait]
-impl Sink for PostgresSink {
-    fn name(&self) -> &str {
-        &self.name
+impl PostgresSink {
+    /// Creates the table of `collection` in this batch unless it exists already.
+    fn ensure(&self, sql: &mut BatchSql, collection: &str) {
+        if self.ready.contains(collection) || sql.creates.iter().any(|(c, ..)| c == collection) {
+            return;
+        }
+        let table = self.table(collection);
+        let create = format!(
+            "CREATE TABLE IF NOT EXISTS {table} (id text PRIMARY KEY, doc jsonb NOT NULL, \
+             source_position text COLLATE \"C\" NOT NULL, updated_at timestamptz NOT NULL DEFAULT now())"
+        );
+        sql.creates.push((collection.to_owned(), table, create));
     }
 
-    async fn open(&mut self) -> Result<(), SinkError> {
-        self.connect().await
-    }
-
-    async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
-        if batch
-            .ops
-            .iter()
-            .any(|op| matches!(op, WriteOp::Invalidate { .. } | WriteOp::Flat { .. }))
-        {
-            return Err(SinkError::Permanent {
-                sink: self.name.clone(),
-                message: "holds documents only: write cache invalidations to a `redis` sink and flat rows to a `parquet` sink".into(),
-                source: None,
-            });
-        }
-        self.connect().await?;
-        let mut report = WriteReport::default();
-        // Segments between truncates, each: collection -> the last operation per key.
-        let mut segments: Vec<(Vec<(String, Changes)>, Option<(String, String)>)> = Vec::new();
-        for segment in batch
-            .ops
-            .split_inclusive(|op| matches!(op, WriteOp::Truncate { .. }))
-        {
-            let (body, truncate) = match segment.split_last() {
-                Some((
-                    WriteOp::Truncate {
-                        collection,
-                        position,
-                    },
-                    body,
-                )) => (
-                    body,
-                    Some((collection.to_string(), position.offset.sortable())),
-                ),
-                _ => (segment, None),
-            };
-            let mut last: HashMap<(&str, &str), usize> = HashMap::with_capacity(body.len());
-            for (i, op) in body.iter().enumerate() {
-                if let WriteOp::Upsert {
-                    collection, key, ..
-                }
-                | WriteOp::Delete {
-                    collection, key, ..
-                } = op
-                {
-                    last.insert((collection, key), i);
-                }
-            }
-            report.coalesced += (body.len() - last.len()) as u64;
-            let mut winners: Vec<usize> = last.into_values().collect();
-            winners.sort_unstable();
-            let mut by_collection: Vec<(String, Changes)> = Vec::new();
-            for i in winners {
-                let (collection, change) = match &body[i] {
-                    WriteOp::Upsert {
-                        collection,
-                        key,
-                        doc,
-                        position,
-                    } => {
-                        report.upserted += 1;
-                        let json = serde_json::to_string(&**doc).expect("a JSON map serializes");
-                        (
-                            collection,
-                            Ok((key.clone(), json, position.offset.sortable())),
-                        )
-                    }
-                    WriteOp::Delete {
-                        collection,
-                        key,
-                        position,
-                    } => {
-                        report.deleted += 1;
-                        (collection, Err((key.clone(), position.offset.sortable())))
-                    }
-                    _ => unreachable!("only upserts and deletes are indexed"),
-                };
-                let entry = match by_collection
-                    .iter_mut()
-                    .position(|(c, _)| **c == **collection)
-                {
-                    Some(p) => &mut by_collection[p].1,
-                    None => {
-                        by_collection.push((collection.to_string(), Changes::default()));
-                        &mut by_collection.last_mut().expect("pushed").1
-                    }
-                };
-                match change {
-                    Ok(upsert) => entry.upserts.push(upsert),
-                    Err(delete) => entry.deletes.push(delete),
-                }
-            }
-            segments.push((by_collection, truncate));
-        }
-
-        let mut statements: Vec<(String, Vec<Vec<String>>)> = Vec::new();
-        let mut creates: Vec<(String, String)> = Vec::new();
-        let mut new_tables: Vec<String> = Vec::new();
-        let mut ensure = |collection: &str, this: &Self| {
-            if !this.ready.contains(collection) && !new_tables.iter().any(|c| c == collection) {
-                new_tables.push(collection.to_owned());
-                creates.push((
-                    this.table(collection),
-                    format!(
-                        "CREATE TABLE IF NOT EXISTS {} (id text PRIMARY KEY, doc jsonb NOT NULL, \
-                         source_position text COLLATE \"C\" NOT NULL, updated_at timestamptz NOT NULL DEFAULT now())",
-                        this.table(collection)
-                    ),
-                ));
-            }
-        };
-        for (collections, truncate) in &segments {
-            for (collection, changes) in collections {
-                ensure(collection, self);
+    /// The SQL of `ops`: per segment between truncates, the winning upserts of each collection
+    /// as multi-row statements, then its deletes, then the truncate.
+    fn batch_sql(&self, ops: &[&DocumentOp], report: &mut WriteReport) -> BatchSql {
+        let mut sql = BatchSql::default();
+        for segment in segments(ops) {
+            report.coalesced += segment.coalesced;
+            for (collection, winners) in by_collection(&segment.winners) {
+                self.ensure(&mut sql, collection);
                 let table = self.table(collection);
-                for chunk in changes.upserts.chunks(self.config.rows_per_statement) {
-                    let (mut ids, mut docs, mut positions) = (Vec::new(), Vec::new(), Vec::new());
-                    for (id, doc, position) in chunk {
-                        ids.push(id.clone());
-                        docs.push(doc.clone());
-                        positions.push(position.clone());
-                    }
-                    statements.push((
-                        format!(
-                            "INSERT INTO {table} AS t (id, doc, source_position) \
-                             SELECT i, d::jsonb, p FROM unnest($1::text[], $2::text[], $3::text[]) AS u(i, d, p) \
-                             ON CONFLICT (id) DO UPDATE SET doc = excluded.doc, source_position = excluded.source_position, updated_at = now() \
-                             WHERE t.source_position <= excluded.source_position"
-                        ),
-                        vec![ids, docs, positions],
-                    ));
+                let (upserts, deletes): (Vec<Keyed<'_>>, Vec<Keyed<'_>>) = winners
+                    .into_iter()
+                    .partition(|op| matches!(op, Keyed::Upsert { .. }));
+                report.upserted += upserts.len() as u64;
+                report.deleted += deletes.len() as u64;
+                for chunk in upserts.chunks(self.config.rows_per_statement) {
+                    sql.statements.push(upsert_statement(&table, chunk));
                 }
-                if !changes.deletes.is_empty() {
-                    let (ids, positions): (Vec<String>, Vec<String>) =
-                        changes.deletes.iter().cloned().unzip();
-                    statements.push((
-                        format!(
-                            "DELETE FROM {table} AS t USING unnest($1::text[], $2::text[]) AS u(i, p) \
-                             WHERE t.id = u.i AND t.source_position <= u.p"
-                        ),
-                        vec![ids, positions],
-                    ));
+                if !deletes.is_empty() {
+                    sql.statements.push(delete_statement(&table, &deletes));
                 }
             }
             // Every document older than the truncate goes (a DELETE, not TRUNCATE, so that a
             // replayed truncate spares documents written after it).
-            if let Some((collection, position)) = truncate {
-                ensure(collection, self);
+            if let Some(truncate) = segment.truncate {
+                self.ensure(&mut sql, truncate.collection);
                 report.deleted += 1;
-                statements.push((
+                sql.statements.push((
                     format!(
                         "DELETE FROM {} WHERE source_position <= ($1::text[])[1]",
-                        self.table(collection)
+                        self.table(truncate.collection)
                     ),
-                    vec![vec![position.clone()]],
+                    vec![vec![truncate.position.offset.sortable()]],
                 ));
             }
         }
-        let schema = quote(&self.config.schema);
+        sql
+    }
+
+    /// Applies `sql` in one transaction, creating the schema and tables it needs first.
+    async fn apply(&mut self, sql: &BatchSql) -> Result<(), SinkError> {
         let schema_name = self.config.schema.clone();
-        let client = self.client.as_mut().expect("connected above");
+        let Some(client) = self.client.as_mut() else {
+            return Err(SinkError::not_open(&self.name));
+        };
         let result: Result<(), (String, tokio_postgres::Error)> = async {
             let tx = client
                 .transaction()
                 .await
                 .map_err(|e| ("cannot begin a transaction".to_owned(), e))?;
-            // Look before creating: PostgreSQL checks the CREATE privilege even when the object
-            // exists, and a writer may only have rights on tables made for it.
-            if !creates.is_empty() {
-                let exists = tx
-                    .query_opt(
-                        "SELECT 1 FROM pg_namespace WHERE nspname = $1",
-                        &[&schema_name],
-                    )
-                    .await
-                    .map_err(|e| ("cannot look up the schema".to_owned(), e))?
-                    .is_some();
-                if !exists {
-                    tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
-                        .await
-                        .map_err(|e| (format!("cannot create schema {schema}"), e))?;
-                }
-                for (table, create) in &creates {
-                    let exists: bool = tx
-                        .query_one("SELECT to_regclass($1) IS NOT NULL", &[table])
-                        .await
-                        .map_err(|e| ("cannot look up a read-model table".to_owned(), e))?
-                        .get(0);
-                    if !exists {
-                        tx.batch_execute(create).await.map_err(|e| {
-                            (format!("cannot create a read-model table ({create})"), e)
-                        })?;
-                    }
-                }
+            if !sql.creates.is_empty() {
+                create_missing(&tx, &schema_name, &sql.creates).await?;
             }
-            for (sql, params) in &statements {
+            for (statement, params) in &sql.statements {
                 let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = params
                     .iter()
                     .map(|p| p as &(dyn tokio_postgres::types::ToSql + Sync))
                     .collect();
-                tx.execute(sql.as_str(), &params).await.map_err(|e| {
-                    (
-                        format!(
-                            "cannot apply the batch ({})",
-                            sql.split(" AS ").next().unwrap_or(sql)
-                        ),
-                        e,
-                    )
+                tx.execute(statement.as_str(), &params).await.map_err(|e| {
+                    let what = statement.split(" AS ").next().unwrap_or(statement);
+                    (format!("cannot apply the batch ({what})"), e)
                 })?;
             }
             tx.commit()
@@ -342,17 +211,123 @@ impl Sink for PostgresSink {
                 .map_err(|e| ("cannot commit the batch".to_owned(), e))
         }
         .await;
-        match result {
-            Ok(()) => {
-                self.ready.extend(new_tables);
-                Ok(report)
-            }
-            Err((what, e)) => Err(self.classify(what, e)),
+        result.map_err(|(what, e)| self.classify(what, e))
+    }
+}
+
+/// `winners` grouped by collection, collections in order of first appearance, batch order kept
+/// within each.
+fn by_collection<'a>(winners: &[Keyed<'a>]) -> Vec<(&'a str, Vec<Keyed<'a>>)> {
+    let mut out: Vec<(&'a str, Vec<Keyed<'a>>)> = Vec::new();
+    for op in winners {
+        let collection: &'a str = op.collection();
+        match out.iter_mut().find(|(c, _)| *c == collection) {
+            Some((_, ops)) => ops.push(*op),
+            None => out.push((collection, vec![*op])),
         }
     }
+    out
+}
 
-    async fn close(&mut self) -> Result<(), SinkError> {
+/// One multi-row upsert of `chunk` into `table`, guarded by position.
+fn upsert_statement(table: &str, chunk: &[Keyed<'_>]) -> (String, Vec<Vec<String>>) {
+    let (mut ids, mut docs, mut positions) = (Vec::new(), Vec::new(), Vec::new());
+    for op in chunk {
+        if let Keyed::Upsert {
+            key, doc, position, ..
+        } = op
+        {
+            ids.push((*key).to_owned());
+            docs.push(serde_json::to_string(&***doc).expect("a JSON map serializes"));
+            positions.push(position.offset.sortable());
+        }
+    }
+    (
+        format!(
+            "INSERT INTO {table} AS t (id, doc, source_position) \
+             SELECT i, d::jsonb, p FROM unnest($1::text[], $2::text[], $3::text[]) AS u(i, d, p) \
+             ON CONFLICT (id) DO UPDATE SET doc = excluded.doc, source_position = excluded.source_position, updated_at = now() \
+             WHERE t.source_position <= excluded.source_position"
+        ),
+        vec![ids, docs, positions],
+    )
+}
+
+/// One delete of `deletes` from `table`, guarded by position.
+fn delete_statement(table: &str, deletes: &[Keyed<'_>]) -> (String, Vec<Vec<String>>) {
+    let (ids, positions) = deletes
+        .iter()
+        .map(|op| {
+            let position = match op {
+                Keyed::Upsert { position, .. } | Keyed::Delete { position, .. } => position,
+            };
+            (op.key().to_owned(), position.offset.sortable())
+        })
+        .unzip();
+    (
+        format!(
+            "DELETE FROM {table} AS t USING unnest($1::text[], $2::text[]) AS u(i, p) \
+             WHERE t.id = u.i AND t.source_position <= u.p"
+        ),
+        vec![ids, positions],
+    )
+}
+
+/// Creates the schema and the tables of `creates` that do not exist yet. Looks before creating:
+/// PostgreSQL checks the CREATE privilege even when the object exists, and a writer may only
+/// have rights on tables made for it.
+async fn create_missing(
+    tx: &tokio_postgres::Transaction<'_>,
+    schema_name: &str,
+    creates: &[(String, String, String)],
+) -> Result<(), (String, tokio_postgres::Error)> {
+    let exists = tx
+        .query_opt(
+            "SELECT 1 FROM pg_namespace WHERE nspname = $1",
+            &[&schema_name],
+        )
+        .await
+        .map_err(|e| ("cannot look up the schema".to_owned(), e))?
+        .is_some();
+    if !exists {
+        let schema = quote(schema_name);
+        tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
+            .await
+            .map_err(|e| (format!("cannot create schema {schema}"), e))?;
+    }
+    for (_, table, create) in creates {
+        let exists: bool = tx
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[table])
+            .await
+            .map_err(|e| ("cannot look up a read-model table".to_owned(), e))?
+            .get(0);
+        if !exists {
+            tx.batch_execute(create)
+                .await
+                .map_err(|e| (format!("cannot create a read-model table ({create})"), e))?;
+        }
+    }
+    Ok(())
+}
+
+#[async_trait]
+impl Sink for PostgresSink {
+    async fn open(&mut self, _resume: &Checkpoint) -> Result<(), SinkError> {
+        self.connect().await
+    }
+
+    async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
+        let ops = batch.intake::<Accepted>(&self.name)?;
+        self.connect().await?;
+        let mut report = WriteReport::default();
+        let sql = self.batch_sql(&ops, &mut report);
+        self.apply(&sql).await?;
+        self.ready.extend(sql.creates.into_iter().map(|(c, ..)| c));
+        Ok(report)
+    }
+
+    async fn close(&mut self) -> Result<Option<String>, SinkError> {
         self.client = None;
-        Ok(())
+        Ok(None)
     }
 }

@@ -9,15 +9,15 @@
 //! attempt) while the checkpoint (and the replication slot) stays before it, so no delete is
 //! ever skipped; deletes are idempotent, so a retried batch is safe.
 //!
-//! - [`WriteOp::Invalidate`]: `UNLINK key…` (or `DEL`; consecutive deletes share a command,
+//! - an invalidation: `UNLINK key…` (or `DEL`; consecutive deletes share a command,
 //!   `keys_per_command` keys each), or with `command = "tombstone"` a Lua
 //!   script that sets `refract-tombstone:{version}` with a TTL unless a newer tombstone is there.
 //!   With `second_delete_ms`, every invalidated key is deleted again after that delay (after the
 //!   first delete is durable), against a reader that writes back a value it read before the
 //!   change. The second delete is best effort across a crash (the checkpoint does not wait for
 //!   it; a crash replays only what was not checkpointed).
-//! - [`WriteOp::Upsert`] / [`WriteOp::Delete`]: `SET {collection}:{key} <json>` / delete it.
-//! - [`WriteOp::Truncate`]: `SCAN MATCH {collection}:*` and delete what it finds.
+//! - a document upsert / delete: `SET {collection}:{key} <json>` / delete it.
+//! - a document truncate: `SCAN MATCH {collection}:*` and delete what it finds.
 //!
 //! `fallback_file` (demos): when Redis does not answer at start, the commands are written to that
 //! file instead, one `redis-cli` line each, and the run's summary says so.
@@ -32,14 +32,16 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use redis::{IntoConnectionInfo, RedisError};
-use refract_projections::WriteOp;
+use refract_schemas::Checkpoint;
 use refract_schemas::config::{RedisDeleteCommand, RedisSinkConfig, mask_url};
+use refract_schemas::write::{DocumentOp, Invalidation, OpFamily};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::{Sink, SinkBatch, SinkError, WriteReport};
-use command::{Command, glob_escape, quote, redis_key};
+use crate::intake::CacheOp;
+use crate::{Intake, Sink, SinkBatch, SinkError, WriteReport};
+use command::{Command, Step, glob_escape, quote, redis_key};
 use connection::{Connector, error, second_deletes, truncate};
 
 /// Batches of second deletes waiting for their delay; a full queue slows the first deletes down.
@@ -62,13 +64,41 @@ redis.call('SET', KEYS[1], 'refract-tombstone:' .. ARGV[1], 'PX', ARGV[2])
 return 1
 ";
 
+/// What the Redis sink accepts: documents and cache invalidations.
+type Accepted<'a> = CacheOp<'a>;
+
 /// The Redis sink.
 pub struct RedisSink {
     name: String,
     config: RedisSinkConfig,
     target: Option<Target>,
     second: Option<SecondDeletes>,
-    keys_metric: metrics::Counter,
+    metrics: RedisSinkMetrics,
+}
+
+/// Every metric the Redis sink emits, made once per sink.
+struct RedisSinkMetrics {
+    /// `refract_redis_keys_invalidated_total{sink}`: keys deleted (or tombstoned) for cache
+    /// invalidations, counted once per operation (second deletes are not counted again).
+    keys_invalidated: metrics::Counter,
+    /// `refract_redis_second_deletes_total{sink}`: keys deleted again `second_delete_ms` after
+    /// their first delete.
+    second_deletes: metrics::Counter,
+}
+
+impl RedisSinkMetrics {
+    fn new(sink: &str) -> Self {
+        Self {
+            keys_invalidated: metrics::counter!(
+                "refract_redis_keys_invalidated_total",
+                "sink" => sink.to_owned()
+            ),
+            second_deletes: metrics::counter!(
+                "refract_redis_second_deletes_total",
+                "sink" => sink.to_owned()
+            ),
+        }
+    }
 }
 
 /// Where commands go.
@@ -90,16 +120,17 @@ struct SecondDeletes {
 }
 
 impl RedisSink {
+    /// The families of write operations this sink accepts.
+    pub const ACCEPTS: &'static [OpFamily] = <Accepted<'static> as Intake<'static>>::FAMILIES;
+
     /// A Redis sink named `name` (not yet connected).
     pub fn new(name: &str, config: RedisSinkConfig) -> Self {
-        let keys_metric =
-            metrics::counter!("refract_redis_keys_invalidated_total", "sink" => name.to_owned());
         Self {
             name: name.to_owned(),
             config,
             target: None,
             second: None,
-            keys_metric,
+            metrics: RedisSinkMetrics::new(name),
         }
     }
 
@@ -163,7 +194,7 @@ impl RedisSink {
     }
 
     /// What `ops` come to in Redis: the last operation per key wins.
-    fn commands<'a>(&self, ops: &'a [WriteOp], report: &mut WriteReport) -> Vec<Command<'a>> {
+    fn steps<'a>(&self, ops: &[CacheOp<'a>], report: &mut WriteReport) -> Vec<Step<'a>> {
         let keys: Vec<Option<Cow<'a, str>>> = ops.iter().map(redis_key).collect();
         let mut last: HashMap<&str, usize> = HashMap::with_capacity(ops.len());
         for (i, key) in keys.iter().enumerate() {
@@ -174,9 +205,9 @@ impl RedisSink {
         let mut out = Vec::with_capacity(last.len());
         for (i, (op, key)) in ops.iter().zip(&keys).enumerate() {
             let Some(key) = key else {
-                if let WriteOp::Truncate { collection, .. } = op {
+                if let CacheOp::Document(DocumentOp::Truncate { collection, .. }) = op {
                     report.deleted += 1;
-                    out.push(Command::Truncate(glob_escape(collection) + ":*"));
+                    out.push(Step::Truncate(glob_escape(collection) + ":*"));
                 }
                 continue;
             };
@@ -184,32 +215,30 @@ impl RedisSink {
                 report.coalesced += 1;
                 continue;
             }
-            out.push(match op {
-                WriteOp::Upsert { doc, .. } => {
+            let command = match *op {
+                CacheOp::Document(DocumentOp::Upsert { doc, .. }) => {
                     report.upserted += 1;
                     let json = serde_json::to_string(&**doc).expect("a JSON map serializes");
                     Command::Set(key.clone(), json)
                 }
-                WriteOp::Invalidate {
+                CacheOp::Invalidate(Invalidation {
                     version: Some(version),
                     ..
-                } if self.config.command == RedisDeleteCommand::Tombstone => {
+                }) if self.config.command == RedisDeleteCommand::Tombstone => {
                     report.deleted += 1;
                     Command::Tombstone(key.clone(), *version)
                 }
-                WriteOp::Invalidate { .. } | WriteOp::Delete { .. } => {
+                CacheOp::Invalidate(_) | CacheOp::Document(_) => {
                     report.deleted += 1;
                     Command::Delete(key.clone())
                 }
-                WriteOp::Truncate { .. } | WriteOp::Flat { .. } => {
-                    unreachable!("truncates have no key; flat rows are refused above")
-                }
-            });
+            };
+            out.push(Step::Run(command));
         }
         out
     }
 
-    /// The Redis command of `c` (not a truncate).
+    /// The Redis command of `c`.
     fn redis_command(&self, c: &Command<'_>) -> redis::Cmd {
         match c {
             Command::Delete(key) => {
@@ -231,102 +260,131 @@ impl RedisSink {
                     .arg(self.config.tombstone_ttl_ms);
                 cmd
             }
-            Command::Truncate(_) => unreachable!("truncates run on their own"),
         }
     }
 
-    /// The `redis-cli` line of `c`, for the fallback file.
-    fn cli_line(&self, c: &Command<'_>) -> String {
-        match c {
-            Command::Delete(key) => format!("{} {}", quote(self.delete_command()), quote(key)),
-            Command::Set(key, json) => format!("\"SET\" {} {}", quote(key), quote(json)),
-            Command::Tombstone(key, version) => format!(
+    /// The `redis-cli` line of `step`, for the fallback file.
+    fn cli_line(&self, step: &Step<'_>) -> String {
+        match step {
+            Step::Run(Command::Delete(key)) => {
+                format!("{} {}", quote(self.delete_command()), quote(key))
+            }
+            Step::Run(Command::Set(key, json)) => {
+                format!("\"SET\" {} {}", quote(key), quote(json))
+            }
+            Step::Run(Command::Tombstone(key, version)) => format!(
                 "\"SET\" {} {} \"PX\" \"{}\"",
                 quote(key),
                 quote(&format!("{TOMBSTONE_PREFIX}{version}")),
                 self.config.tombstone_ttl_ms
             ),
-            Command::Truncate(pattern) => format!("# delete every key matching {}", quote(pattern)),
+            Step::Truncate(pattern) => format!("# delete every key matching {}", quote(pattern)),
         }
     }
 
-    async fn send(&mut self, commands: &[Command<'_>]) -> Result<(), SinkError> {
-        let depth = self.config.pipeline_depth;
-        let delete = self.delete_command();
+    /// Sends `steps` where the sink writes: Redis, or the fallback file.
+    async fn send(&mut self, steps: &[Step<'_>]) -> Result<(), SinkError> {
+        match self.target.take() {
+            Some(Target::File {
+                path,
+                mut file,
+                mut commands,
+            }) => {
+                let result = self.write_file(&mut file, &mut commands, steps);
+                self.target = Some(Target::File {
+                    path,
+                    file,
+                    commands,
+                });
+                result
+            }
+            Some(Target::Redis(mut connector)) => {
+                let result = self.send_redis(&mut connector, steps).await;
+                self.target = Some(Target::Redis(connector));
+                result
+            }
+            None => Err(SinkError::not_open(&self.name)),
+        }
+    }
+
+    /// Appends the `redis-cli` lines of `steps` to the fallback file.
+    fn write_file(
+        &self,
+        file: &mut std::io::BufWriter<std::fs::File>,
+        commands: &mut u64,
+        steps: &[Step<'_>],
+    ) -> Result<(), SinkError> {
         let fail = |e: std::io::Error| SinkError::Permanent {
             sink: self.name.clone(),
             message: format!("cannot write the fallback file: {e}"),
             source: Some(Box::new(e)),
         };
-        if let Some(Target::File { .. }) = &self.target {
-            let lines: Vec<String> = commands.iter().map(|c| self.cli_line(c)).collect();
-            let Some(Target::File { file, commands, .. }) = &mut self.target else {
-                unreachable!("checked above")
-            };
-            for line in lines {
-                writeln!(file, "{line}").map_err(fail)?;
-                *commands += 1;
-            }
-            return file.flush().map_err(fail);
+        for step in steps {
+            writeln!(file, "{}", self.cli_line(step)).map_err(fail)?;
+            *commands += 1;
         }
-        let mut rest = commands;
-        while !rest.is_empty() {
-            let Some(Target::Redis(connector)) = &mut self.target else {
-                unreachable!("write after open")
-            };
-            // A truncate runs alone, between the pipelines before and after it.
-            if let Command::Truncate(pattern) = &rest[0] {
+        file.flush().map_err(fail)
+    }
+
+    /// Runs `steps` on Redis: truncates alone, everything else pipelined `pipeline_depth`
+    /// commands at a time, consecutive deletes sharing one command.
+    async fn send_redis(
+        &self,
+        connector: &mut Connector,
+        steps: &[Step<'_>],
+    ) -> Result<(), SinkError> {
+        let delete = self.delete_command();
+        let mut rest = steps;
+        while let Some(first) = rest.first() {
+            if let Step::Truncate(pattern) = first {
                 let result = truncate(connector, pattern, delete).await;
-                result.map_err(|e| error(&self.name, &self.config.url, "truncate failed", e))?;
+                result.map_err(|e| self.error("truncate failed", e))?;
                 rest = &rest[1..];
                 continue;
             }
-            // Up to `depth` commands, consecutive deletes sharing one command.
-            let mut pipe = redis::Pipeline::with_capacity(depth.min(rest.len()));
-            let (mut n, mut commands) = (0, 0);
-            while n < rest.len() && commands < depth {
-                match &rest[n] {
-                    Command::Truncate(_) => break,
-                    Command::Delete(_) => {
-                        let mut cmd = redis::cmd(delete);
-                        let mut keys = 0;
-                        while let Some(Command::Delete(key)) = rest.get(n) {
-                            if keys == self.config.keys_per_command {
-                                break;
-                            }
-                            cmd.arg(&**key);
-                            keys += 1;
-                            n += 1;
-                        }
-                        pipe.add_command(cmd).ignore();
-                    }
-                    c => {
-                        pipe.add_command(self.redis_command(c)).ignore();
-                        n += 1;
-                    }
-                }
-                commands += 1;
-            }
-            let Some(Target::Redis(connector)) = &mut self.target else {
-                unreachable!("write after open")
-            };
+            let (pipe, n) = self.pipeline(rest);
             connector
                 .run(&pipe)
                 .await
-                .map_err(|e| error(&self.name, &self.config.url, "pipeline failed", e))?;
+                .map_err(|e| self.error("pipeline failed", e))?;
             rest = &rest[n..];
         }
         Ok(())
+    }
+
+    /// The pipeline of the commands that open `steps`: up to `pipeline_depth` commands, up to
+    /// the next truncate, consecutive deletes sharing one command (`keys_per_command` keys
+    /// each); with the number of steps it holds.
+    fn pipeline(&self, steps: &[Step<'_>]) -> (redis::Pipeline, usize) {
+        let depth = self.config.pipeline_depth;
+        let mut pipe = redis::Pipeline::with_capacity(depth.min(steps.len()));
+        let (mut n, mut commands) = (0, 0);
+        while let (Some(Step::Run(command)), true) = (steps.get(n), commands < depth) {
+            if let Command::Delete(_) = command {
+                let mut cmd = redis::cmd(self.delete_command());
+                let mut keys = 0;
+                while let Some(Step::Run(Command::Delete(key))) = steps.get(n) {
+                    if keys == self.config.keys_per_command {
+                        break;
+                    }
+                    cmd.arg(&**key);
+                    keys += 1;
+                    n += 1;
+                }
+                pipe.add_command(cmd).ignore();
+            } else {
+                pipe.add_command(self.redis_command(command)).ignore();
+                n += 1;
+            }
+            commands += 1;
+        }
+        (pipe, n)
     }
 }
 
 #[async_trait]
 impl Sink for RedisSink {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    async fn open(&mut self) -> Result<(), SinkError> {
+    async fn open(&mut self, _resume: &Checkpoint) -> Result<(), SinkError> {
         let connector = match self.connect().await {
             Ok(connector) => connector,
             Err(e) => {
@@ -359,6 +417,7 @@ impl Sink for RedisSink {
                 self.config.pipeline_depth,
                 connector.clone(),
                 rx,
+                self.metrics.second_deletes.clone(),
             ));
             self.second = Some(SecondDeletes { queue, task });
         }
@@ -368,36 +427,23 @@ impl Sink for RedisSink {
     }
 
     async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
-        if batch
-            .ops
-            .iter()
-            .any(|op| matches!(op, WriteOp::Flat { .. }))
-        {
-            return Err(SinkError::Permanent {
-                sink: self.name.clone(),
-                message: "cannot hold flat rows: write them to a `parquet` sink".into(),
-                source: None,
-            });
-        }
+        let ops = batch.intake::<Accepted>(&self.name)?;
         let mut report = WriteReport::default();
-        let commands = self.commands(&batch.ops, &mut report);
-        self.send(&commands).await?;
-        let invalidated = batch
-            .ops
+        let steps = self.steps(&ops, &mut report);
+        self.send(&steps).await?;
+        let invalidated: Vec<&str> = ops
             .iter()
-            .filter(|op| matches!(op, WriteOp::Invalidate { .. }))
-            .count();
-        self.keys_metric.increment(invalidated as u64);
-        if let (Some(second), true) = (&self.second, invalidated > 0) {
+            .filter_map(|op| match op {
+                CacheOp::Invalidate(i) => Some(i.key.as_str()),
+                CacheOp::Document(_) => None,
+            })
+            .collect();
+        self.metrics
+            .keys_invalidated
+            .increment(invalidated.len() as u64);
+        if let (Some(second), false) = (&self.second, invalidated.is_empty()) {
             let due = Instant::now() + Duration::from_millis(self.config.second_delete_ms);
-            let mut keys: Vec<String> = batch
-                .ops
-                .iter()
-                .filter_map(|op| match op {
-                    WriteOp::Invalidate { key, .. } => Some(key.clone()),
-                    _ => None,
-                })
-                .collect();
+            let mut keys: Vec<String> = invalidated.into_iter().map(str::to_owned).collect();
             keys.sort_unstable();
             keys.dedup();
             // The task only ends when the queue closes, which happens in `close`.
@@ -406,7 +452,7 @@ impl Sink for RedisSink {
         Ok(report)
     }
 
-    async fn close(&mut self) -> Result<(), SinkError> {
+    async fn close(&mut self) -> Result<Option<String>, SinkError> {
         if let Some(SecondDeletes { queue, mut task }) = self.second.take() {
             drop(queue);
             // Pending second deletes are due within `second_delete_ms`: wait for them, but not
@@ -417,25 +463,21 @@ impl Sink for RedisSink {
                 tracing::warn!(sink = %self.name, "Redis does not answer: second deletes still pending at shutdown were dropped");
             }
         }
-        if let Some(Target::File { file, .. }) = &mut self.target {
-            let _ = file.flush();
+        match &mut self.target {
+            Some(Target::File {
+                path,
+                file,
+                commands,
+            }) => {
+                let _ = file.flush();
+                Ok(Some(format!(
+                    "Redis at {} did not answer: {commands} commands were written to {path} \
+                     instead, and no key was deleted",
+                    mask_url(&self.config.url)
+                )))
+            }
+            _ => Ok(None),
         }
-        Ok(())
-    }
-
-    fn notice(&self) -> Option<String> {
-        match &self.target {
-            Some(Target::File { path, commands, .. }) => Some(format!(
-                "Redis at {} did not answer: {commands} commands were written to {path} instead, \
-                 and no key was deleted",
-                mask_url(&self.config.url)
-            )),
-            _ => None,
-        }
-    }
-
-    fn unhealthy_after(&self) -> Duration {
-        Duration::from_millis(self.config.unhealthy_after_ms)
     }
 }
 

@@ -80,7 +80,7 @@ fn inspection(slot: Option<SlotState>, tables: Vec<TableInfo>) -> Inspection {
 }
 
 fn run(inspection: &Inspection, extra: Option<Box<dyn Projection>>) -> (Vec<String>, Vec<String>) {
-    let loaded = load_str("p.toml", PIPELINE, &|_| None).unwrap();
+    let loaded = load_str("p.toml", PIPELINE, &|_| None, None).unwrap();
     let SourceConfig::Postgres(pg) = &loaded.config.source else {
         unreachable!()
     };

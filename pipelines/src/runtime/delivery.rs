@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use refract_connectors::dead_letter::{DeadLetter, DeadLetterStore};
-use refract_connectors::{Sink, SinkBatch, SinkError, WriteReport};
+use refract_connectors::{BuiltSink, SinkBatch, SinkError, WriteReport};
 use refract_schemas::Checkpoint;
 use tokio::sync::{mpsc, watch};
 
@@ -47,7 +47,7 @@ pub(crate) enum Ack {
 /// Where a delivery task writes.
 pub(crate) enum Target {
     /// A configured sink.
-    Sink(Box<dyn Sink>),
+    Sink(BuiltSink),
     /// The dead-letter store.
     DeadLetters(DeadLetterStore),
 }
@@ -55,35 +55,39 @@ pub(crate) enum Target {
 impl Target {
     fn name(&self) -> String {
         match self {
-            Target::Sink(s) => s.name().to_owned(),
+            Target::Sink(s) => s.name.clone(),
             Target::DeadLetters(_) => "dead_letter".to_owned(),
         }
     }
 
-    async fn open(&mut self) -> Result<(), SinkError> {
+    async fn open(&mut self, resume: &Checkpoint) -> Result<(), SinkError> {
         match self {
-            Target::Sink(s) => s.open().await,
+            Target::Sink(s) => s.sink.open(resume).await,
             Target::DeadLetters(_) => Ok(()),
         }
     }
 
     fn unhealthy_after(&self) -> Duration {
         match self {
-            Target::Sink(s) => s.unhealthy_after(),
+            Target::Sink(s) => s.unhealthy_after,
             Target::DeadLetters(_) => refract_connectors::DEFAULT_UNHEALTHY_AFTER,
         }
     }
 
     async fn deliver(&mut self, job: &Job) -> Result<WriteReport, SinkError> {
         match (self, job) {
-            (Target::Sink(s), Job::Ops(batch)) => s.write(batch).await,
-            (Target::Sink(s), Job::Flush) => s.flush().await.map(|()| WriteReport::default()),
+            (Target::Sink(s), Job::Ops(batch)) => s.sink.write(batch).await,
+            (Target::Sink(s), Job::Flush) => s.sink.flush().await.map(|()| WriteReport::default()),
             (Target::DeadLetters(_), Job::Flush) => Ok(WriteReport::default()),
             (Target::DeadLetters(store), Job::Letters { letters, .. }) => {
                 store.write(letters, crate::runtime::now_ms()).await?;
                 Ok(WriteReport::default())
             }
-            _ => unreachable!("jobs are routed to their kind of target"),
+            (target, Job::Ops(_) | Job::Letters { .. }) => Err(SinkError::Permanent {
+                sink: target.name(),
+                message: "was handed a job of another kind of target: a bug in the runtime".into(),
+                source: None,
+            }),
         }
     }
 }
@@ -91,7 +95,7 @@ impl Target {
 /// What a delivery task attempts.
 #[derive(Clone, Copy)]
 enum Attempt<'a> {
-    Open,
+    Open(&'a Checkpoint),
     Deliver(&'a Job),
 }
 
@@ -115,7 +119,7 @@ async fn retrying(
         health,
     } = reporter;
     let what = match attempt {
-        Attempt::Open => "open",
+        Attempt::Open(_) => "open",
         Attempt::Deliver(_) => "write",
     };
     let mut backoff = ExponentialBuilder::default()
@@ -130,7 +134,7 @@ async fn retrying(
     let mut unhealthy = false;
     loop {
         let result = match attempt {
-            Attempt::Open => target.open().await.map(|()| WriteReport::default()),
+            Attempt::Open(resume) => target.open(resume).await.map(|()| WriteReport::default()),
             Attempt::Deliver(job) => target.deliver(job).await,
         };
         match result {
@@ -190,11 +194,13 @@ pub(crate) async fn run(
         health,
     };
     let fail = |error, shutdown| Ack::Failed { error, shutdown };
-    if let Target::Sink(sink) = &mut target {
-        sink.resume_from(&resume);
-    }
-    if let Err((error, stop)) = retrying(&mut target, Attempt::Open, &mut shutdown, &reporter).await
-    {
+    let open = retrying(
+        &mut target,
+        Attempt::Open(&resume),
+        &mut shutdown,
+        &reporter,
+    );
+    if let Err((error, stop)) = open.await {
         let _ = acks.send(fail(error, stop));
         return;
     }
@@ -203,7 +209,7 @@ pub(crate) async fn run(
     let mut open = true;
     while open || !deferred.is_empty() {
         let deadline = match &target {
-            Target::Sink(sink) => sink.flush_deadline(),
+            Target::Sink(s) => s.sink.buffered().and_then(|b| b.flush_deadline),
             Target::DeadLetters(_) => None,
         };
         let job = tokio::select! {
@@ -235,7 +241,7 @@ pub(crate) async fn run(
                     deferred.push_back((seq, report));
                 }
                 let durable = match &target {
-                    Target::Sink(sink) => sink.durable_through(),
+                    Target::Sink(s) => s.sink.buffered().map(|b| b.durable_through),
                     Target::DeadLetters(_) => None,
                 };
                 while let Some(&(seq, report)) = deferred.front() {
@@ -272,12 +278,13 @@ pub(crate) async fn run(
             return;
         }
     }
-    if let Target::Sink(sink) = &mut target {
-        if let Err(e) = sink.close().await {
-            tracing::warn!(sink = %name, error = %e, "closing the sink failed");
-        }
-        if let Some(notice) = sink.notice() {
-            let _ = acks.send(Ack::Notice(format!("sink `{name}`: {notice}")));
+    if let Target::Sink(s) = &mut target {
+        match s.sink.close().await {
+            Ok(Some(notice)) => {
+                let _ = acks.send(Ack::Notice(format!("sink `{name}`: {notice}")));
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!(sink = %name, error = %e, "closing the sink failed"),
         }
     }
 }

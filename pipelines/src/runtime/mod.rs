@@ -310,7 +310,7 @@ pub async fn run(
         let (tx, rx) = mpsc::channel(config.pipeline.queue_depth);
         job_txs.push(tx);
         let name = match &target {
-            Target::Sink(sink) => sink.name().to_owned(),
+            Target::Sink(s) => s.name.clone(),
             Target::DeadLetters(_) => "dead_letter".to_owned(),
         };
         let task = tokio::spawn(delivery::run(

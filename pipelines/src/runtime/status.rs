@@ -1,7 +1,7 @@
 //! The status endpoint of a running pipeline (`[pipeline] metrics_addr`): Prometheus metrics at
 //! `/metrics`, and health at `/health` for load balancers and Kubernetes probes: `200` while
 //! every sink delivers, `503` naming the sinks whose batches have waited longer than their bound
-//! (see [`refract_connectors::Sink::unhealthy_after`]).
+//! (see [`refract_connectors::BuiltSink::unhealthy_after`]).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

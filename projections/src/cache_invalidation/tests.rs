@@ -33,9 +33,9 @@ fn run(
     let keys = out
         .iter()
         .map(|op| match op {
-            WriteOp::Invalidate { key, version, .. } => match version {
-                Some(v) => format!("{key}@{v}"),
-                None => key.clone(),
+            WriteOp::Invalidate(i) => match i.version {
+                Some(v) => format!("{}@{v}", i.key),
+                None => i.key.clone(),
             },
             other => panic!("only invalidations, got {other:?}"),
         })

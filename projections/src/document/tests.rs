@@ -33,7 +33,8 @@ fields = [{ name = "id", from = "id" }, { name = "total", from = "total_cents" }
 
 /// The configuration of projection `name` in [`PIPELINE`].
 pub(super) fn config(name: &str) -> DocumentProjectionConfig {
-    let loaded = load_str("authors-books.toml", PIPELINE, &|_| None).expect("the pipeline loads");
+    let loaded =
+        load_str("authors-books.toml", PIPELINE, &|_| None, None).expect("the pipeline loads");
     match &loaded.config.projections[name] {
         ProjectionConfig::Document(d) => d.clone(),
         other => panic!("{other:?}"),
@@ -89,16 +90,18 @@ fn link(book: &str, author: &str, position: i64) -> Value {
 pub(super) fn render(ops: &[WriteOp]) -> Vec<Value> {
     ops.iter()
         .map(|op| match op {
-            WriteOp::Upsert {
+            WriteOp::Document(DocumentOp::Upsert {
                 collection,
                 key,
                 doc,
                 ..
-            } => json!({"upsert": format!("{collection}/{key}"), "doc": **doc}),
-            WriteOp::Delete {
+            }) => json!({"upsert": format!("{collection}/{key}"), "doc": **doc}),
+            WriteOp::Document(DocumentOp::Delete {
                 collection, key, ..
-            } => json!({"delete": format!("{collection}/{key}")}),
-            WriteOp::Truncate { collection, .. } => json!({"truncate": **collection}),
+            }) => json!({"delete": format!("{collection}/{key}")}),
+            WriteOp::Document(DocumentOp::Truncate { collection, .. }) => {
+                json!({"truncate": **collection})
+            }
             other => panic!("a document projection emitted {other:?}"),
         })
         .collect()
@@ -598,7 +601,7 @@ fn upserts_carry_the_transaction_end_and_bad_events_are_reported() {
     assert!(out.is_empty(), "nothing before the end of the transaction");
     p.end_transaction(&end_position(42), &mut out).unwrap();
     assert!(
-        matches!(&out[..], [WriteOp::Upsert { position, .. }] if *position == end_position(42))
+        matches!(&out[..], [WriteOp::Document(DocumentOp::Upsert { position, .. })] if *position == end_position(42))
     );
     out.clear();
     p.end_transaction(&end_position(43), &mut out).unwrap();

@@ -4,13 +4,15 @@ use refract_schemas::config::{FlattenProjectionConfig, ProjectionConfig, load_st
 use serde_json::{Value, json};
 
 use super::*;
+use crate::RowChange;
 use crate::test_support::event;
 
 /// The projection of the shipped `pipelines/orders-analytics.toml`.
 fn shipped() -> FlattenProjectionConfig {
     let text = include_str!("../../../pipelines/orders-analytics.toml");
     let pwd = |v: &str| (v == "PWD").then(|| "/tmp".to_owned());
-    let loaded = load_str("orders-analytics.toml", text, &pwd).expect("the shipped file loads");
+    let loaded =
+        load_str("orders-analytics.toml", text, &pwd, None).expect("the shipped file loads");
     match &loaded.config.projections["orders_flat"] {
         ProjectionConfig::Flatten(f) => f.clone(),
         other => panic!("{other:?}"),
@@ -48,7 +50,7 @@ fn run(p: &mut FlattenProjection, line: Value) -> (Vec<String>, Option<String>) 
     let lines = out
         .iter()
         .map(|op| match op {
-            WriteOp::Flat { change, .. } => {
+            WriteOp::Row(RowChange { change, .. }) => {
                 let cells: Vec<String> = change
                     .schema
                     .columns

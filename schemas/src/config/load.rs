@@ -12,8 +12,8 @@ use toml::de::{DeTable, DeValue};
 
 use super::interpolate::interpolate;
 use super::{
-    DocumentProjectionConfig, FileSourceConfig, NullSinkConfig, ObjectJsonSinkConfig, PipelineFile,
-    PostgresSourceConfig, ProjectionConfig, ReplicaProjectionConfig,
+    DocumentProjectionConfig, Families, FileSourceConfig, NullSinkConfig, ObjectJsonSinkConfig,
+    PipelineFile, PostgresSourceConfig, ProjectionConfig, ReplicaProjectionConfig,
 };
 
 /// Variable names whose values are secrets: masked by `plan` and never logged.
@@ -84,8 +84,9 @@ pub struct LoadedPipeline {
     pub from_env: BTreeMap<String, Vec<String>>,
 }
 
-/// Reads, interpolates (from the process environment), deserializes and validates a pipeline file.
-pub fn load(path: &Path) -> Result<LoadedPipeline, ConfigErrors> {
+/// Reads, interpolates (from the process environment), deserializes and validates a pipeline
+/// file, its routes from projections to sinks included.
+pub fn load(path: &Path, families: &dyn Families) -> Result<LoadedPipeline, ConfigErrors> {
     let name = path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|e| {
         ConfigErrors(vec![ConfigError {
@@ -96,7 +97,7 @@ pub fn load(path: &Path) -> Result<LoadedPipeline, ConfigErrors> {
             message: format!("cannot read the pipeline file: {e}"),
         }])
     })?;
-    let mut loaded = load_str(&name, &text, &environment)?;
+    let mut loaded = load_str(&name, &text, &environment, Some(families))?;
     loaded.file = path.to_owned();
     Ok(loaded)
 }
@@ -114,11 +115,13 @@ fn environment(name: &str) -> Option<String> {
     })
 }
 
-/// Loads a pipeline from text; `file` names it in errors, `lookup` resolves variables.
+/// Loads a pipeline from text; `file` names it in errors, `lookup` resolves variables, and
+/// `families` (when given) checks each route from a projection to a sink.
 pub fn load_str(
     file: &str,
     text: &str,
     lookup: &dyn Fn(&str) -> Option<String>,
+    families: Option<&dyn Families>,
 ) -> Result<LoadedPipeline, ConfigErrors> {
     let at = |span: Option<Range<usize>>, path: String, message: String| {
         let (line, column) = span.map_or((1, 1), |s| line_col(text, s.start));
@@ -166,7 +169,10 @@ pub fn load_str(
             }
         };
     fill_defaults(&mut config);
-    let problems = config.validate();
+    let mut problems = config.validate();
+    if let Some(families) = families {
+        problems.extend(config.route_problems(families));
+    }
     if !problems.is_empty() {
         let errors = problems
             .into_iter()

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 
 pub use load::{ConfigError, ConfigErrors, LoadedPipeline, load, load_str};
 pub use validate::mask_url;
+pub use validate::routes::Families;
 
 /// Default events per batch: large enough to amortize a sink round trip, small enough that a
 /// batch of wide rows stays within a few MiB.
@@ -295,6 +296,16 @@ fn default_pg_name(pipeline: &str) -> String {
 }
 
 impl ProjectionConfig {
+    /// The `kind` the pipeline file gives.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ProjectionConfig::Replica(_) => "replica",
+            ProjectionConfig::CacheInvalidation(_) => "cache_invalidation",
+            ProjectionConfig::Flatten(_) => "flatten",
+            ProjectionConfig::Document(_) => "document",
+        }
+    }
+
     /// The sinks this projection writes to.
     pub fn sinks(&self) -> &[String] {
         match self {
@@ -648,6 +659,19 @@ pub enum SinkConfig {
     Postgres(PostgresSinkConfig),
     /// Discards everything (benchmarks, dry runs).
     Null(NullSinkConfig),
+}
+
+impl SinkConfig {
+    /// The `kind` the pipeline file gives.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            SinkConfig::ObjectJson(_) => "object_json",
+            SinkConfig::Redis(_) => "redis",
+            SinkConfig::Parquet(_) => "parquet",
+            SinkConfig::Postgres(_) => "postgres",
+            SinkConfig::Null(_) => "null",
+        }
+    }
 }
 
 /// `kind = "object_json"`.

@@ -28,14 +28,14 @@ fn env(name: &str) -> Option<String> {
 }
 
 fn errors(text: &str) -> Vec<ConfigError> {
-    load_str("p.toml", text, &env)
+    load_str("p.toml", text, &env, None)
         .expect_err("the file must be rejected")
         .0
 }
 
 #[test]
 fn a_good_file_loads_with_defaults_and_interpolation() {
-    let loaded = load_str("p.toml", GOOD, &env).unwrap();
+    let loaded = load_str("p.toml", GOOD, &env, None).unwrap();
     let c = &loaded.config;
     assert_eq!(c.pipeline.state_dir, "./state");
     assert_eq!(c.pipeline.batch, BatchConfig::default());
@@ -53,7 +53,7 @@ fn a_good_file_loads_with_defaults_and_interpolation() {
 #[test]
 fn a_value_with_quotes_cannot_break_the_file() {
     let text = GOOD.replace("${LOG:-changes.jsonl}", "/logs/${DB_PASSWORD}.jsonl");
-    let loaded = load_str("p.toml", &text, &env).unwrap();
+    let loaded = load_str("p.toml", &text, &env, None).unwrap();
     let SourceConfig::File(f) = &loaded.config.source else {
         panic!("a file source")
     };

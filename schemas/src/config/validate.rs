@@ -11,6 +11,7 @@ use crate::field_path::{FieldPath, Step};
 use crate::template::KeyTemplate;
 
 mod document;
+pub(crate) mod routes;
 
 /// Object-store URL schemes refract can write to.
 const OBJECT_STORE_SCHEMES: &[&str] = &[

@@ -13,8 +13,8 @@ use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
 use parquet::schema::types::ColumnPath;
-use refract_projections::flatten::{FlatChange, FlatSchema, FlatType, FlatValue};
 use refract_schemas::Offset;
+use refract_schemas::write::flat::{FlatChange, FlatSchema, FlatType, FlatValue};
 
 /// `_op`: `u` upsert, `d` delete, `t` truncate.
 pub(crate) const OP: &str = "_op";

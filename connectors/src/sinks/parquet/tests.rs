@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::Int64Type;
-use refract_projections::WriteOp;
-use refract_projections::flatten::{
+use refract_schemas::config::ParquetSinkConfig;
+use refract_schemas::write::WriteOp;
+use refract_schemas::write::flat::{
     FlatChange, FlatColumn, FlatOp, FlatSchema, FlatType, FlatValue,
 };
-use refract_schemas::config::ParquetSinkConfig;
 use refract_schemas::{Checkpoint, Offset, Position};
 
 use super::*;
@@ -60,7 +60,7 @@ fn op(schema: &Arc<FlatSchema>, kind: FlatOp, id: &str, n: i64, at: u64) -> Writ
     if schema.columns.len() > 2 {
         values.push(FlatValue::Str(format!("x{n}")));
     }
-    WriteOp::Flat {
+    WriteOp::Row(RowChange {
         change: FlatChange {
             schema: schema.clone(),
             op: kind,
@@ -71,7 +71,7 @@ fn op(schema: &Arc<FlatSchema>, kind: FlatOp, id: &str, n: i64, at: u64) -> Writ
             partition: "slot".into(),
             offset: Offset(at, 0),
         },
-    }
+    })
 }
 
 fn batch(seq: u64, ops: Vec<WriteOp>) -> SinkBatch {
@@ -130,7 +130,7 @@ async fn batches_are_acknowledged_once_their_file_is_published() {
             ..config(dir.path())
         },
     );
-    sink.open().await.unwrap();
+    sink.open(&Checkpoint::new()).await.unwrap();
     let s = schema("t", 1, false, false);
     sink.write(&batch(
         1,
@@ -141,7 +141,11 @@ async fn batches_are_acknowledged_once_their_file_is_published() {
     ))
     .await
     .unwrap();
-    assert_eq!(sink.durable_through(), Some(0), "buffered, not published");
+    assert_eq!(
+        sink.buffered().map(|b| b.durable_through),
+        Some(0),
+        "buffered, not published"
+    );
     assert!(files(dir.path()).is_empty());
     // A retried write of the same batch is not buffered twice.
     sink.write(&batch(
@@ -163,7 +167,7 @@ async fn batches_are_acknowledged_once_their_file_is_published() {
     .await
     .unwrap();
     assert_eq!(
-        sink.durable_through(),
+        sink.buffered().map(|b| b.durable_through),
         Some(2),
         "4 rows reached roll_rows = 3"
     );
@@ -177,13 +181,13 @@ async fn batches_are_acknowledged_once_their_file_is_published() {
     sink.write(&batch(3, vec![op(&s, FlatOp::Upsert, "d", 1, 50)]))
         .await
         .unwrap();
-    assert_eq!(sink.durable_through(), Some(2));
+    assert_eq!(sink.buffered().map(|b| b.durable_through), Some(2));
     assert!(
-        sink.flush_deadline().is_some(),
+        sink.buffered().and_then(|b| b.flush_deadline).is_some(),
         "an open file has a deadline"
     );
     sink.flush().await.unwrap();
-    assert_eq!(sink.durable_through(), Some(3));
+    assert_eq!(sink.buffered().map(|b| b.durable_through), Some(3));
     assert_eq!(files(dir.path()).len(), 2);
 }
 
@@ -191,7 +195,7 @@ async fn batches_are_acknowledged_once_their_file_is_published() {
 async fn a_newer_schema_starts_a_new_file_and_older_rows_get_its_columns() {
     let dir = tempfile::tempdir().unwrap();
     let mut sink = ParquetSink::new("pq", config(dir.path()));
-    sink.open().await.unwrap();
+    sink.open(&Checkpoint::new()).await.unwrap();
     let (v1, v2) = (schema("t", 1, false, false), schema("t", 2, true, false));
     sink.write(&batch(1, vec![op(&v1, FlatOp::Upsert, "a", 1, 10)]))
         .await
@@ -206,7 +210,7 @@ async fn a_newer_schema_starts_a_new_file_and_older_rows_get_its_columns() {
     .await
     .unwrap();
     assert_eq!(
-        sink.durable_through(),
+        sink.buffered().map(|b| b.durable_through),
         Some(1),
         "the v1 file was published before the v2 batch"
     );
@@ -225,7 +229,7 @@ async fn a_restart_drops_what_was_published_past_the_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let s = schema("t", 1, false, false);
     let mut sink = ParquetSink::new("pq", config(dir.path()));
-    sink.open().await.unwrap();
+    sink.open(&Checkpoint::new()).await.unwrap();
     sink.write(&batch(
         1,
         vec![
@@ -254,8 +258,10 @@ async fn a_restart_drops_what_was_published_past_the_checkpoint() {
     // The checkpoint only reached position 20: the file 10-40 is cut back to 10-20, the file
     // 50-50 goes; the replay writes 30.. again.
     let mut restarted = ParquetSink::new("pq", config(dir.path()));
-    restarted.resume_from(&Checkpoint::from([("slot".to_owned(), Offset(20, 0))]));
-    restarted.open().await.unwrap();
+    restarted
+        .open(&Checkpoint::from([("slot".to_owned(), Offset(20, 0))]))
+        .await
+        .unwrap();
     let left = files(dir.path());
     assert_eq!(left.len(), 1, "{left:?}");
     assert!(
@@ -269,8 +275,10 @@ async fn a_restart_drops_what_was_published_past_the_checkpoint() {
 
     // A checkpoint of another source partition touches nothing.
     let mut other = ParquetSink::new("pq", config(dir.path()));
-    other.resume_from(&Checkpoint::from([("elsewhere".to_owned(), Offset(0, 0))]));
-    other.open().await.unwrap();
+    other
+        .open(&Checkpoint::from([("elsewhere".to_owned(), Offset(0, 0))]))
+        .await
+        .unwrap();
     assert_eq!(files(dir.path()), left);
 }
 
@@ -279,7 +287,7 @@ async fn compaction_keeps_the_newest_row_per_key_and_the_newest_group() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path());
     let mut sink = ParquetSink::new("pq", cfg.clone());
-    sink.open().await.unwrap();
+    sink.open(&Checkpoint::new()).await.unwrap();
     let (t, g) = (schema("t", 1, false, false), schema("g", 1, false, true));
     sink.write(&batch(
         1,
@@ -338,14 +346,14 @@ async fn sink_with_retention(dir: &std::path::Path) -> (ParquetSinkConfig, Parqu
         ..config(dir)
     };
     let mut sink = ParquetSink::new("pq", cfg.clone());
-    sink.open().await.unwrap();
+    sink.open(&Checkpoint::new()).await.unwrap();
     (cfg, sink)
 }
 
 /// An upsert of `id` (n = 1) at `pos`, committed `days_ago` days ago.
 fn upsert_days_ago(s: &Arc<FlatSchema>, id: &str, pos: u64, days_ago: i64) -> WriteOp {
     let mut op = op(s, FlatOp::Upsert, id, 1, pos);
-    if let WriteOp::Flat { change, .. } = &mut op {
+    if let WriteOp::Row(RowChange { change, .. }) = &mut op {
         change.commit_ts_ms = Some(chrono::Utc::now().timestamp_millis() - days_ago * 86_400_000);
     }
     op
@@ -384,7 +392,7 @@ async fn open_files_over_buffer_bytes_are_published_oldest_first_and_nothing_is_
             ..config(dir.path())
         },
     );
-    sink.open().await.unwrap();
+    sink.open(&Checkpoint::new()).await.unwrap();
     let s = schema("t", 1, false, false);
     let (days, per_day) = (60u64, 50u64);
     let mut most_held = 0;
@@ -394,7 +402,7 @@ async fn open_files_over_buffer_bytes_are_published_oldest_first_and_nothing_is_
             .map(|i| {
                 let pos = 1 + day * per_day + i;
                 let mut op = op(&s, FlatOp::Upsert, &format!("k{pos}"), pos as i64, pos);
-                if let WriteOp::Flat { change, .. } = &mut op {
+                if let WriteOp::Row(RowChange { change, .. }) = &mut op {
                     change.commit_ts_ms = Some(commit_ts_ms);
                 }
                 op
@@ -417,7 +425,7 @@ async fn open_files_over_buffer_bytes_are_published_oldest_first_and_nothing_is_
     let early = files(dir.path()).len();
     assert!(early > 0, "no file was published before the end");
     // What was published early is acknowledged: the oldest unpublished batch is past day 0.
-    assert!(sink.durable_through().unwrap() > 0);
+    assert!(sink.buffered().map(|b| b.durable_through).unwrap() > 0);
     sink.close().await.unwrap();
     let published = files(dir.path());
     assert_eq!(
@@ -445,19 +453,21 @@ async fn a_truncate_removes_every_older_row_from_the_current_state() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path());
     let mut sink = ParquetSink::new("pq", cfg.clone());
-    sink.open().await.unwrap();
+    sink.open(&Checkpoint::new()).await.unwrap();
     let (t, g) = (schema("t", 1, false, false), schema("g", 1, false, true));
-    let truncate = |s: &Arc<FlatSchema>, at: u64| WriteOp::Flat {
-        change: FlatChange {
-            schema: s.clone(),
-            op: FlatOp::Truncate,
-            values: vec![FlatValue::Null; s.columns.len()],
-            commit_ts_ms: Some(1_790_000_000_000),
-        },
-        position: Position {
-            partition: "slot".into(),
-            offset: Offset(at, 0),
-        },
+    let truncate = |s: &Arc<FlatSchema>, at: u64| {
+        WriteOp::Row(RowChange {
+            change: FlatChange {
+                schema: s.clone(),
+                op: FlatOp::Truncate,
+                values: vec![FlatValue::Null; s.columns.len()],
+                commit_ts_ms: Some(1_790_000_000_000),
+            },
+            position: Position {
+                partition: "slot".into(),
+                offset: Offset(at, 0),
+            },
+        })
     };
     sink.write(&batch(
         1,
@@ -507,7 +517,7 @@ async fn compaction_copies_inputs_whose_rows_all_survive_and_gathers_the_others(
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path()); // 1,000 rows per row group
     let mut sink = ParquetSink::new("pq", cfg.clone());
-    sink.open().await.unwrap();
+    sink.open(&Checkpoint::new()).await.unwrap();
     let current = dir.path().join("t/current/part-0.parquet");
     let key = |i: usize| format!("k{i:04}");
     let mut expected: BTreeMap<String, i64> = BTreeMap::new();
@@ -663,7 +673,7 @@ async fn where_the_store_puts_on_a_condition_the_overtaken_compaction_publishes_
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path());
     let mut sink = ParquetSink::new("pq", cfg.clone());
-    sink.open().await.unwrap();
+    sink.open(&Checkpoint::new()).await.unwrap();
     let s = schema("t", 1, false, false);
     let (local, root) = open_store(&cfg.url).unwrap();
     // The change log after each of three batches, as in-memory stores.

@@ -3,9 +3,20 @@
 use std::borrow::Cow;
 use std::fmt::Write as _;
 
-use refract_projections::WriteOp;
+use refract_schemas::write::DocumentOp;
 
-/// What one operation comes to in Redis.
+use crate::intake::CacheOp;
+
+/// What one batch comes to in Redis, step by step.
+pub(super) enum Step<'a> {
+    /// A command that goes out pipelined with its neighbours.
+    Run(Command<'a>),
+    /// Delete every key matching this `SCAN` pattern: runs alone, between the pipelines before
+    /// and after it.
+    Truncate(String),
+}
+
+/// What one keyed operation comes to in Redis.
 pub(super) enum Command<'a> {
     /// Delete the key (`UNLINK` or `DEL`).
     Delete(Cow<'a, str>),
@@ -13,22 +24,22 @@ pub(super) enum Command<'a> {
     Set(Cow<'a, str>, String),
     /// Replace the key by a tombstone of this version (unless a newer one is there).
     Tombstone(Cow<'a, str>, i64),
-    /// Delete every key matching this `SCAN` pattern.
-    Truncate(String),
 }
 
 /// The Redis key an operation addresses: invalidations carry absolute keys, documents live at
-/// `{collection}:{key}`.
-pub(super) fn redis_key(op: &WriteOp) -> Option<Cow<'_, str>> {
-    match op {
-        WriteOp::Invalidate { key, .. } => Some(Cow::Borrowed(key)),
-        WriteOp::Upsert {
-            collection, key, ..
-        }
-        | WriteOp::Delete {
-            collection, key, ..
-        } => Some(Cow::Owned(format!("{collection}:{key}"))),
-        WriteOp::Truncate { .. } | WriteOp::Flat { .. } => None,
+/// `{collection}:{key}`; a truncate addresses a whole collection (`None`).
+pub(super) fn redis_key<'a>(op: &CacheOp<'a>) -> Option<Cow<'a, str>> {
+    match *op {
+        CacheOp::Invalidate(i) => Some(Cow::Borrowed(&i.key)),
+        CacheOp::Document(
+            DocumentOp::Upsert {
+                collection, key, ..
+            }
+            | DocumentOp::Delete {
+                collection, key, ..
+            },
+        ) => Some(Cow::Owned(format!("{collection}:{key}"))),
+        CacheOp::Document(DocumentOp::Truncate { .. }) => None,
     }
 }
 

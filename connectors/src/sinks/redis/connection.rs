@@ -127,8 +127,8 @@ pub(super) async fn second_deletes(
     depth: usize,
     mut connector: Connector,
     mut queue: mpsc::Receiver<(Instant, Vec<String>)>,
+    counter: metrics::Counter,
 ) {
-    let counter = metrics::counter!("refract_redis_second_deletes_total", "sink" => sink.clone());
     while let Some((due, keys)) = queue.recv().await {
         tokio::time::sleep_until(due).await;
         for chunk in keys.chunks(depth) {

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use redis::AsyncCommands;
+use refract_schemas::write::WriteOp;
 use refract_schemas::{Offset, Position, Row};
 use serde_json::json;
 
@@ -45,11 +46,11 @@ fn pos() -> Position {
 }
 
 fn invalidate(key: &str, version: Option<i64>) -> WriteOp {
-    WriteOp::Invalidate {
+    WriteOp::Invalidate(Invalidation {
         key: key.into(),
         version,
         position: pos(),
-    }
+    })
 }
 
 async fn client() -> redis::aio::MultiplexedConnection {
@@ -73,27 +74,27 @@ async fn applies_the_last_operation_per_key_in_pipelines() {
         .map(|i| invalidate(&format!("{p}:k{i}"), None))
         .collect();
     ops.push(invalidate(&format!("{p}:k0"), None));
-    ops.push(WriteOp::Truncate {
+    ops.push(WriteOp::Document(DocumentOp::Truncate {
         collection: format!("{p}:docs").into(),
         position: pos(),
-    });
-    ops.push(WriteOp::Upsert {
+    }));
+    ops.push(WriteOp::Document(DocumentOp::Upsert {
         collection: format!("{p}:docs").into(),
         key: "1".into(),
         doc: Arc::new(doc),
         position: pos(),
-    });
+    }));
     // Set then invalidated in the same batch: the invalidation (last) wins.
-    ops.push(WriteOp::Upsert {
+    ops.push(WriteOp::Document(DocumentOp::Upsert {
         collection: p.clone().into(),
         key: "k7".into(),
         doc: Arc::new(Row::new()),
         position: pos(),
-    });
+    }));
     ops.push(invalidate(&format!("{p}:k7"), None));
 
     let mut sink = RedisSink::new("cache", config());
-    sink.open().await.unwrap();
+    sink.open(&Checkpoint::new()).await.unwrap();
     let report = sink.write(&SinkBatch { seq: 1, ops }).await.unwrap();
     sink.close().await.unwrap();
     assert_eq!(report.coalesced, 2, "k0 twice, k7 set then invalidated");
@@ -127,7 +128,7 @@ async fn tombstones_keep_the_newest_version() {
             ..config()
         },
     );
-    sink.open().await.unwrap();
+    sink.open(&Checkpoint::new()).await.unwrap();
     let _: () = c.set(format!("{p}:a"), "stale value").await.unwrap();
     let batch = |ops| SinkBatch { seq: 1, ops };
     sink.write(&batch(vec![invalidate(&format!("{p}:a"), Some(20))]))
@@ -161,7 +162,7 @@ async fn the_second_delete_removes_a_value_set_after_the_first() {
             ..config()
         },
     );
-    sink.open().await.unwrap();
+    sink.open(&Checkpoint::new()).await.unwrap();
     let key = format!("{p}:a");
     let _: () = c.set(&key, "v1").await.unwrap();
     sink.write(&SinkBatch {
@@ -193,7 +194,7 @@ async fn an_unreachable_redis_is_a_transient_error_or_the_fallback_file() {
         ..config()
     };
     let mut sink = RedisSink::new("cache", down.clone());
-    let err = sink.open().await.unwrap_err();
+    let err = sink.open(&Checkpoint::new()).await.unwrap_err();
     assert!(err.is_retryable(), "{err}");
 
     let dir = tempfile::tempdir().unwrap();
@@ -205,7 +206,7 @@ async fn an_unreachable_redis_is_a_transient_error_or_the_fallback_file() {
             ..down
         },
     );
-    sink.open().await.unwrap();
+    sink.open(&Checkpoint::new()).await.unwrap();
     sink.write(&SinkBatch {
         seq: 1,
         ops: vec![
@@ -215,12 +216,11 @@ async fn an_unreachable_redis_is_a_transient_error_or_the_fallback_file() {
     })
     .await
     .unwrap();
-    sink.close().await.unwrap();
+    let notice = sink.close().await.unwrap().expect("a notice");
     assert_eq!(
         std::fs::read_to_string(&file).unwrap(),
         "\"UNLINK\" \"product:1:v3\"\n\"UNLINK\" \"a \\\"b\\\"\"\n"
     );
-    let notice = sink.notice().unwrap();
     assert!(
         notice.contains("2 commands") && notice.contains("no key was deleted"),
         "{notice}"
@@ -237,7 +237,7 @@ async fn a_wrong_password_is_permanent() {
             ..config()
         },
     );
-    let err = sink.open().await.unwrap_err();
+    let err = sink.open(&Checkpoint::new()).await.unwrap_err();
     assert!(!err.is_retryable(), "{err}");
 }
 

@@ -142,7 +142,7 @@ fn scans_merge_pending_writes_over_committed_ones_per_projection() {
 /// The shipped book documents' projection, on a store handle.
 fn book_docs(state: &KeyedState) -> Box<dyn refract_projections::Projection> {
     let text = include_str!("../../../authors-books.toml");
-    let loaded = refract_schemas::config::load_str("authors-books.toml", text, &|_| None)
+    let loaded = refract_schemas::config::load_str("authors-books.toml", text, &|_| None, None)
         .expect("the shipped pipeline loads");
     let mut projection = refract_projections::build(&loaded.config.projections["book_docs"]);
     assert!(projection.wants_store());
@@ -183,9 +183,11 @@ fn transaction(
     projection.end_transaction(&end, &mut ops).unwrap();
     ops.into_iter()
         .map(|op| match op {
-            refract_projections::WriteOp::Upsert { key, doc, .. } => {
-                (key, serde_json::Value::from((*doc).clone()))
-            }
+            refract_projections::WriteOp::Document(refract_projections::DocumentOp::Upsert {
+                key,
+                doc,
+                ..
+            }) => (key, serde_json::Value::from((*doc).clone())),
             other => panic!("{other:?}"),
         })
         .collect()

@@ -320,7 +320,7 @@ fields = [{ name = "id", from = "id" }, { name = "total", from = "total_cents" }
 
     #[test]
     fn a_good_file_loads_and_the_collection_defaults_to_the_name() {
-        let loaded = load_str("p.toml", GOOD, &env).unwrap();
+        let loaded = load_str("p.toml", GOOD, &env, None).unwrap();
         let collection = |name: &str| match &loaded.config.projections[name] {
             ProjectionConfig::Document(d) => d.collection.clone(),
             other => panic!("{other:?}"),
@@ -539,7 +539,7 @@ fields = [{ name = "id", from = "id" }, { name = "total", from = "total_cents" }
         ];
         for (name, from, to, path, words) in cases {
             assert!(GOOD.contains(from), "{name}: edit does not apply");
-            let result = load_str("p.toml", &GOOD.replacen(from, to, 1), &env);
+            let result = load_str("p.toml", &GOOD.replacen(from, to, 1), &env, None);
             if path.is_empty() {
                 // Still valid: embeds alone make a document.
                 assert!(result.is_ok(), "{name}: {:?}", result.err());
@@ -562,7 +562,9 @@ fields = [{ name = "id", from = "id" }, { name = "total", from = "total_cents" }
         );
         let text = text.replacen("\n[[projections.customer_docs.embeds]]", "\n[unused]", 1);
         let text = &text[..text.find("\n[unused]").unwrap()];
-        let errs = load_str("p.toml", text, &env).expect_err("rejected").0;
+        let errs = load_str("p.toml", text, &env, None)
+            .expect_err("rejected")
+            .0;
         assert_eq!(errs.len(), 1, "{errs:?}");
         assert_eq!(errs[0].path, "projections.customer_docs");
         assert!(
