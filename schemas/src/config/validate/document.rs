@@ -2,7 +2,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::config::{DocumentFieldConfig, DocumentProjectionConfig};
+use crate::config::{DocumentEmbedConfig, DocumentFieldConfig, DocumentProjectionConfig};
 use crate::template::KeyTemplate;
 
 /// Most embeds one document may declare: each adds tables to mirror and indexes to keep; the
@@ -18,6 +18,23 @@ pub(super) fn validate(
     base: &str,
     d: &DocumentProjectionConfig,
 ) {
+    root(problem, base, d);
+    // Every top-level field of the document: copied fields, embeds, counts, objects.
+    let mut names = BTreeSet::new();
+    fields(
+        problem,
+        &format!("{base}.fields"),
+        &d.fields,
+        false,
+        &mut names,
+    );
+    embeds(problem, base, d, &mut names);
+    one_key_per_table(problem, base, d);
+    objects(problem, base, d, &mut names);
+}
+
+/// The root table, its key, the collection, and some content.
+fn root(problem: &mut impl FnMut(&str, String), base: &str, d: &DocumentProjectionConfig) {
     table_name(problem, &format!("{base}.table"), &d.table);
     columns(problem, &format!("{base}.key"), &d.key);
     if let Some(c) = &d.collection {
@@ -34,15 +51,15 @@ pub(super) fn validate(
             "a document needs at least one of `fields`, `embeds` or `objects`".into(),
         );
     }
-    // Every top-level field of the document: copied fields, embeds, counts, objects.
-    let mut names = BTreeSet::new();
-    fields(
-        problem,
-        &format!("{base}.fields"),
-        &d.fields,
-        false,
-        &mut names,
-    );
+}
+
+/// The embeds: joined on a root key of one column, at most [`MAX_EMBEDS`], then each one.
+fn embeds<'a>(
+    problem: &mut impl FnMut(&str, String),
+    base: &str,
+    d: &'a DocumentProjectionConfig,
+    names: &mut BTreeSet<&'a str>,
+) {
     if !d.embeds.is_empty() && d.key.len() > 1 {
         problem(
             &format!("{base}.key"),
@@ -59,80 +76,103 @@ pub(super) fn validate(
         );
     }
     for (i, e) in d.embeds.iter().enumerate() {
-        let at = format!("{base}.embeds[{i}]");
-        field_name(problem, &format!("{at}.name"), &e.name, &mut names);
-        table_name(problem, &format!("{at}.table"), &e.table);
-        columns(problem, &format!("{at}.key"), &e.key);
-        match (&e.through, &e.foreign_key) {
-            (Some(_), Some(_)) | (None, None) => problem(
-                &at,
-                "must have exactly one of `through` (a link table) or `foreign_key` (a child column)"
-                    .into(),
-            ),
-            (Some(link), None) => {
-                table_name(problem, &format!("{at}.through.table"), &link.table);
-                for (field, column) in [("parent", &link.parent), ("child", &link.child)] {
-                    if column.is_empty() {
-                        problem(
-                            &format!("{at}.through.{field}"),
-                            "must name a column of the link table".into(),
-                        );
-                    }
-                }
-                if let Some(key) = &link.key {
-                    columns(problem, &format!("{at}.through.key"), key);
-                }
-                if e.key.len() > 1 {
-                    problem(
-                        &format!("{at}.key"),
-                        format!(
-                            "the link row names its child by one column, so the child key must be one column (found {})",
-                            e.key.len()
-                        ),
-                    );
-                }
-            }
-            (None, Some(fk)) => {
-                if fk.is_empty() {
-                    problem(
-                        &format!("{at}.foreign_key"),
-                        "must name the child column holding the root key".into(),
-                    );
-                }
-            }
-        }
-        let through = e.through.is_some();
-        for (o, entry) in e.order_by.iter().enumerate() {
-            let column = entry.strip_prefix('-').unwrap_or(entry);
-            column_ref(problem, &format!("{at}.order_by[{o}]"), column, through);
-        }
-        if e.limit == Some(0) {
-            problem(&format!("{at}.limit"), "must be at least 1".into());
-        }
-        if e.ids && !e.fields.is_empty() {
-            problem(
-                &format!("{at}.fields"),
-                "does not apply with `ids = true` (the array holds the child keys)".into(),
-            );
-        }
-        if !e.ids && e.fields.is_empty() {
-            problem(
-                &format!("{at}.fields"),
-                "must declare at least one field (or set `ids = true`)".into(),
-            );
-        }
-        fields(
-            problem,
+        embed(problem, &format!("{base}.embeds[{i}]"), e, names);
+    }
+}
+
+/// One embed at `at` (`projections.NAME.embeds[i]`): its name among the document's fields, its
+/// table and key, how it joins, its order, limit and fields, and its count's name.
+fn embed<'a>(
+    problem: &mut impl FnMut(&str, String),
+    at: &str,
+    e: &'a DocumentEmbedConfig,
+    names: &mut BTreeSet<&'a str>,
+) {
+    field_name(problem, &format!("{at}.name"), &e.name, names);
+    table_name(problem, &format!("{at}.table"), &e.table);
+    columns(problem, &format!("{at}.key"), &e.key);
+    join(problem, at, e);
+    let through = e.through.is_some();
+    for (o, entry) in e.order_by.iter().enumerate() {
+        let column = entry.strip_prefix('-').unwrap_or(entry);
+        column_ref(problem, &format!("{at}.order_by[{o}]"), column, through);
+    }
+    if e.limit == Some(0) {
+        problem(&format!("{at}.limit"), "must be at least 1".into());
+    }
+    if e.ids && !e.fields.is_empty() {
+        problem(
             &format!("{at}.fields"),
-            &e.fields,
-            through,
-            &mut BTreeSet::new(),
+            "does not apply with `ids = true` (the array holds the child keys)".into(),
         );
-        if let Some(count) = &e.count {
-            field_name(problem, &format!("{at}.count"), count, &mut names);
+    }
+    if !e.ids && e.fields.is_empty() {
+        problem(
+            &format!("{at}.fields"),
+            "must declare at least one field (or set `ids = true`)".into(),
+        );
+    }
+    fields(
+        problem,
+        &format!("{at}.fields"),
+        &e.fields,
+        through,
+        &mut BTreeSet::new(),
+    );
+    if let Some(count) = &e.count {
+        field_name(problem, &format!("{at}.count"), count, names);
+    }
+}
+
+/// How an embed joins its parent: exactly one of a link table (`through`, whose row names the
+/// child by one column) or a child column holding the root key (`foreign_key`).
+fn join(problem: &mut impl FnMut(&str, String), at: &str, e: &DocumentEmbedConfig) {
+    match (&e.through, &e.foreign_key) {
+        (Some(_), Some(_)) | (None, None) => problem(
+            at,
+            "must have exactly one of `through` (a link table) or `foreign_key` (a child column)"
+                .into(),
+        ),
+        (Some(link), None) => {
+            table_name(problem, &format!("{at}.through.table"), &link.table);
+            for (field, column) in [("parent", &link.parent), ("child", &link.child)] {
+                if column.is_empty() {
+                    problem(
+                        &format!("{at}.through.{field}"),
+                        "must name a column of the link table".into(),
+                    );
+                }
+            }
+            if let Some(key) = &link.key {
+                columns(problem, &format!("{at}.through.key"), key);
+            }
+            if e.key.len() > 1 {
+                problem(
+                    &format!("{at}.key"),
+                    format!(
+                        "the link row names its child by one column, so the child key must be one column (found {})",
+                        e.key.len()
+                    ),
+                );
+            }
+        }
+        (None, Some(fk)) => {
+            if fk.is_empty() {
+                problem(
+                    &format!("{at}.foreign_key"),
+                    "must name the child column holding the root key".into(),
+                );
+            }
         }
     }
-    // A table mirrored once whatever parts it plays: one key.
+}
+
+/// A table mirrored once whatever parts it plays (root, embed, link): one key.
+fn one_key_per_table(
+    problem: &mut impl FnMut(&str, String),
+    base: &str,
+    d: &DocumentProjectionConfig,
+) {
     let mut keys: Vec<(&str, Vec<String>, String)> =
         vec![(&d.table, d.key.clone(), format!("{base}.key"))];
     for (i, e) in d.embeds.iter().enumerate() {
@@ -156,9 +196,18 @@ pub(super) fn validate(
             );
         }
     }
+}
+
+/// The objects: each named among the document's fields, with at least one item.
+fn objects<'a>(
+    problem: &mut impl FnMut(&str, String),
+    base: &str,
+    d: &'a DocumentProjectionConfig,
+    names: &mut BTreeSet<&'a str>,
+) {
     for (i, o) in d.objects.iter().enumerate() {
         let at = format!("{base}.objects[{i}]");
-        field_name(problem, &format!("{at}.name"), &o.name, &mut names);
+        field_name(problem, &format!("{at}.name"), &o.name, names);
         if o.items.is_empty() {
             problem(
                 &format!("{at}.items"),

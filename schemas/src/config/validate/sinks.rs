@@ -1,0 +1,211 @@
+//! The rules of each sink: some projection writes to it, its kind's own settings (one function
+//! per kind), then whether its kind can hold what each of its projections writes.
+
+use std::collections::BTreeMap;
+
+use super::{RouteEnd, check_route_by_kind, mask_url, object_store_url, range};
+use crate::config::{
+    ObjectJsonSinkConfig, ParquetSinkConfig, PipelineFile, PostgresSinkConfig, ProjectionConfig,
+    RedisDeleteCommand, RedisSinkConfig, SinkConfig,
+};
+
+/// Checks each sink in the order of its name.
+pub(super) fn validate(problem: &mut impl FnMut(&str, String), file: &PipelineFile) {
+    for (name, sink) in &file.sinks {
+        let base = format!("sinks.{name}");
+        written(problem, &base, name, &file.projections);
+        match sink {
+            SinkConfig::ObjectJson(s) => object_json(problem, &base, s),
+            SinkConfig::Redis(r) => redis(problem, &base, r),
+            SinkConfig::Parquet(s) => parquet(problem, &base, s),
+            SinkConfig::Postgres(s) => postgres(problem, &base, s),
+            SinkConfig::Null(_) => {}
+        }
+        writers(problem, (name, sink), &file.projections);
+    }
+}
+
+/// A sink no projection names is a mistake.
+fn written(
+    problem: &mut impl FnMut(&str, String),
+    base: &str,
+    name: &str,
+    projections: &BTreeMap<String, ProjectionConfig>,
+) {
+    if !projections
+        .values()
+        .any(|p| p.sinks().iter().any(|s| s == name))
+    {
+        problem(
+            base,
+            format!("sink `{name}` is not written by any projection"),
+        );
+    }
+}
+
+/// `kind = "object_json"`: an object-store URL and a bounded number of writes in flight.
+fn object_json(problem: &mut impl FnMut(&str, String), base: &str, s: &ObjectJsonSinkConfig) {
+    object_store_url(problem, &format!("{base}.url"), &s.url);
+    range(
+        problem,
+        &format!("{base}.concurrency"),
+        s.concurrency as u64,
+        1,
+        1024,
+    );
+}
+
+/// `kind = "redis"`: a Redis URL, bounded batching and timings, TLS options only with TLS, and
+/// one way of guarding against stale writes (tombstones or a second delete).
+fn redis(problem: &mut impl FnMut(&str, String), base: &str, r: &RedisSinkConfig) {
+    if !(r.url.starts_with("redis://")
+        || r.url.starts_with("rediss://")
+        || r.url.starts_with("redis+unix://")
+        || r.url.starts_with("unix://"))
+    {
+        problem(
+            &format!("{base}.url"),
+            format!(
+                "`{}` is not a redis://, rediss:// or unix:// URL",
+                mask_url(&r.url)
+            ),
+        );
+    }
+    range(
+        problem,
+        &format!("{base}.pipeline_depth"),
+        r.pipeline_depth as u64,
+        1,
+        10_000,
+    );
+    range(
+        problem,
+        &format!("{base}.keys_per_command"),
+        r.keys_per_command as u64,
+        1,
+        1_000,
+    );
+    range(
+        problem,
+        &format!("{base}.second_delete_ms"),
+        r.second_delete_ms,
+        0,
+        600_000,
+    );
+    range(
+        problem,
+        &format!("{base}.tombstone_ttl_ms"),
+        r.tombstone_ttl_ms,
+        1,
+        86_400_000,
+    );
+    range(
+        problem,
+        &format!("{base}.unhealthy_after_ms"),
+        r.unhealthy_after_ms,
+        100,
+        86_400_000,
+    );
+    if r.tls_ca_file.is_some() && !r.url.starts_with("rediss://") {
+        problem(
+            &format!("{base}.tls_ca_file"),
+            "only applies to a rediss:// (TLS) URL".into(),
+        );
+    }
+    if r.command == RedisDeleteCommand::Tombstone && r.second_delete_ms > 0 {
+        problem(
+            &format!("{base}.second_delete_ms"),
+            "a second delete would remove the tombstone: use one or the other".into(),
+        );
+    }
+    if r.fallback_file.as_deref() == Some("") {
+        problem(&format!("{base}.fallback_file"), "must not be empty".into());
+    }
+}
+
+/// `kind = "parquet"`: an object-store URL, and compression, file sizes, buffering, compaction
+/// and retention within bounds (a compaction interval of 0 turns compaction off).
+fn parquet(problem: &mut impl FnMut(&str, String), base: &str, s: &ParquetSinkConfig) {
+    object_store_url(problem, &format!("{base}.url"), &s.url);
+    let limits: [(&str, u64, u64, u64); 7] = [
+        ("zstd_level", s.zstd_level.max(0) as u64, 1, 22),
+        ("row_group_rows", s.row_group_rows as u64, 1_000, 10_000_000),
+        ("roll_rows", s.roll_rows as u64, 1, 100_000_000),
+        ("roll_bytes", s.roll_bytes, 1 << 20, 4 << 30),
+        ("roll_ms", s.roll_ms, 100, 3_600_000),
+        ("buffer_bytes", s.buffer_bytes, 16 << 20, 64 << 30),
+        (
+            "change_retention_days",
+            u64::from(s.change_retention_days),
+            0,
+            36_500,
+        ),
+    ];
+    for (field, value, min, max) in limits {
+        range(problem, &format!("{base}.{field}"), value, min, max);
+    }
+    if s.compact_interval_ms != 0 {
+        range(
+            problem,
+            &format!("{base}.compact_interval_ms"),
+            s.compact_interval_ms,
+            1_000,
+            86_400_000,
+        );
+    }
+}
+
+/// `kind = "postgres"`: a postgres:// URL, schema and table names usable unquoted, and a bounded
+/// number of rows per statement.
+fn postgres(problem: &mut impl FnMut(&str, String), base: &str, s: &PostgresSinkConfig) {
+    if !(s.url.starts_with("postgres://") || s.url.starts_with("postgresql://")) {
+        problem(
+            &format!("{base}.url"),
+            format!("`{}` is not a postgres:// URL", mask_url(&s.url)),
+        );
+    }
+    let ident = |v: &str| {
+        !v.is_empty() && v.len() <= 63 && v.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    };
+    if !ident(&s.schema) {
+        problem(
+            &format!("{base}.schema"),
+            format!("`{}` must be 1 to 63 letters, digits or `_`", s.schema),
+        );
+    }
+    if !ident(&s.table.replace("{collection}", "c")) {
+        problem(
+            &format!("{base}.table"),
+            format!(
+                "`{}` must be letters, digits, `_` and `{{collection}}`",
+                s.table
+            ),
+        );
+    }
+    range(
+        problem,
+        &format!("{base}.rows_per_statement"),
+        s.rows_per_statement as u64,
+        1,
+        100_000,
+    );
+}
+
+/// Each projection writing to the sink, in the order of its name: can the sink's kind hold what
+/// it writes.
+fn writers(
+    problem: &mut impl FnMut(&str, String),
+    (name, sink): (&str, &SinkConfig),
+    projections: &BTreeMap<String, ProjectionConfig>,
+) {
+    for (projection_name, projection) in projections {
+        if projection.sinks().iter().any(|s| s == name) {
+            check_route_by_kind(
+                problem,
+                RouteEnd::Sink,
+                (projection_name, projection),
+                (name, sink),
+            );
+        }
+    }
+}
