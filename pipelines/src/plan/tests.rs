@@ -1,7 +1,9 @@
-use refract_connectors::sources::postgres::{PublicationState, ServerInfo, SlotState};
-use refract_projections::{ProjectionError, WriteOp};
-use refract_schemas::ChangeEvent;
-use refract_schemas::config::load_str;
+use refract_connectors::sources::postgres::{
+    PublicationState, ReplicaIdentity, ServerInfo, SlotState, TableInfo,
+};
+use refract_projections::{Projection, ProjectionError, WriteOp};
+use refract_schemas::config::{SourceConfig, load_str};
+use refract_schemas::{ChangeEvent, TableId};
 
 use super::*;
 
