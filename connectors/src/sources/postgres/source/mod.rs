@@ -37,6 +37,7 @@ use serde_json::Value;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::inspect::error_text;
+use super::metrics::SlotMetrics;
 use super::pgoutput::{self, Datum, Message, OldKind, Relation, Tuple};
 use super::snapshot::{self, ChunkMessage, ChunkProgress, Chunker, CopySnapshot};
 use super::values::text_to_json;
@@ -217,6 +218,7 @@ impl Source for PostgresSource {
             ends_at: self.ends_at.clone(),
             rows_prefix: snapshot::message_prefix(&self.slot),
             max_retained_wal: self.config.max_retained_wal_mb.saturating_mul(1 << 20),
+            metrics: SlotMetrics::new(&self.slot),
             relations: HashMap::new(),
             tx: None,
             chunk: Vec::new(),
@@ -784,6 +786,8 @@ struct Reader {
     rows_prefix: String,
     /// Retained WAL (bytes) above which a warning is logged.
     max_retained_wal: u64,
+    /// The slot's metrics.
+    metrics: SlotMetrics,
     relations: HashMap<u32, RelationInfo>,
     tx: Option<OpenTx>,
     chunk: Vec<SourceItem>,

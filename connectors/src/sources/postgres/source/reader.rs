@@ -487,7 +487,7 @@ impl Reader {
     }
 
     /// Warns when the slot holds back more WAL than allowed; stops when it was invalidated.
-    pub(super) async fn check_slot(&self) -> Result<(), SourceError> {
+    pub(super) async fn check_slot(&mut self) -> Result<(), SourceError> {
         let row = match self
             .catalog
             .query_opt(
@@ -514,8 +514,7 @@ impl Reader {
         if status == "lost" {
             return Err(slot_lost(&self.slot));
         }
-        metrics::gauge!("refract_slot_retained_wal_bytes", "slot" => self.slot.clone())
-            .set(retained as f64);
+        self.metrics.retained_wal(retained);
         if retained > self.max_retained_wal {
             tracing::warn!(
                 slot = %self.slot,
