@@ -254,3 +254,6 @@ pub enum SourceError {
     #[error("source: {0}")]
     Inconsistent(String),
 }
+
+#[cfg(test)]
+mod test_support;
