@@ -268,3 +268,6 @@ pub enum SourceError {
     #[error("source: {0}")]
     Inconsistent(String),
 }
+
+#[cfg(test)]
+mod test_support;

@@ -63,6 +63,9 @@ async fn client() -> redis::aio::MultiplexedConnection {
 
 #[tokio::test]
 async fn applies_the_last_operation_per_key_in_pipelines() {
+    if !crate::test_support::redis() {
+        return;
+    }
     let p = prefix("ops");
     let mut c = client().await;
     for i in 0..8 {
@@ -118,6 +121,9 @@ async fn applies_the_last_operation_per_key_in_pipelines() {
 
 #[tokio::test]
 async fn tombstones_keep_the_newest_version() {
+    if !crate::test_support::redis() {
+        return;
+    }
     let p = prefix("tomb");
     let mut c = client().await;
     let mut sink = RedisSink::new(
@@ -153,6 +159,9 @@ async fn tombstones_keep_the_newest_version() {
 
 #[tokio::test]
 async fn the_second_delete_removes_a_value_set_after_the_first() {
+    if !crate::test_support::redis() {
+        return;
+    }
     let p = prefix("second");
     let mut c = client().await;
     let mut sink = RedisSink::new(
@@ -229,6 +238,9 @@ async fn an_unreachable_redis_is_a_transient_error_or_the_fallback_file() {
 
 #[tokio::test]
 async fn a_wrong_password_is_permanent() {
+    if !crate::test_support::redis() {
+        return;
+    }
     let mut sink = RedisSink::new(
         "cache",
         RedisSinkConfig {

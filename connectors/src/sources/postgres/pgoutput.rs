@@ -296,168 +296,213 @@ impl<'a> Reader<'a> {
 pub fn decode(buf: &Bytes, in_stream: bool) -> Result<Message, PgOutputError> {
     let mut r = Reader { buf, pos: 0 };
     let tag = r.u8("message type")?;
-    let streamed_xid = |r: &mut Reader<'_>| -> Result<(), PgOutputError> {
-        if in_stream {
-            r.u32("streamed transaction id")?;
-        }
-        Ok(())
-    };
     let message = match tag {
-        b'B' => Message::Begin {
-            final_lsn: r.u64("final LSN")?,
-            commit_time_us: r.timestamp("commit time")?,
-            xid: r.u32("xid")?,
-        },
-        b'C' => {
-            r.u8("commit flags")?;
-            Message::Commit {
-                commit_lsn: r.u64("commit LSN")?,
-                end_lsn: r.u64("end LSN")?,
-                commit_time_us: r.timestamp("commit time")?,
-            }
-        }
-        b'O' => Message::Origin {
-            lsn: r.u64("origin LSN")?,
-            name: r.cstring("origin name")?,
-        },
-        b'R' => {
-            streamed_xid(&mut r)?;
-            let id = r.u32("relation id")?;
-            let namespace = r.cstring("namespace")?;
-            let name = r.cstring("relation name")?;
-            let replica_identity = r.u8("replica identity")?;
-            let n = r.u16("column count")? as usize;
-            if n > buf.len() {
-                return r.fail(format!("relation claims {n} columns"));
-            }
-            let mut columns = Vec::with_capacity(n);
-            for _ in 0..n {
-                let flags = r.u8("column flags")?;
-                columns.push(Column {
-                    key: flags & 1 == 1,
-                    name: r.cstring("column name")?,
-                    type_oid: r.u32("column type")?,
-                    type_modifier: r.i32("column type modifier")?,
-                });
-            }
-            Message::Relation(Relation {
-                id,
-                namespace,
-                name,
-                replica_identity,
-                columns,
-            })
-        }
-        b'Y' => {
-            streamed_xid(&mut r)?;
-            Message::Type {
-                id: r.u32("type id")?,
-                namespace: r.cstring("type namespace")?,
-                name: r.cstring("type name")?,
-            }
-        }
-        b'I' => {
-            streamed_xid(&mut r)?;
-            let relation = r.u32("relation id")?;
-            match r.u8("insert tuple marker")? {
-                b'N' => Message::Insert {
-                    relation,
-                    new: r.tuple()?,
-                },
-                other => return r.fail(format!("insert expects 'N', found {:?}", other as char)),
-            }
-        }
-        b'U' => {
-            streamed_xid(&mut r)?;
-            let relation = r.u32("relation id")?;
-            let (old, marker) = match r.u8("update tuple marker")? {
-                b'K' => (
-                    Some((OldKind::Key, r.tuple()?)),
-                    r.u8("update new-tuple marker")?,
-                ),
-                b'O' => (
-                    Some((OldKind::Full, r.tuple()?)),
-                    r.u8("update new-tuple marker")?,
-                ),
-                other => (None, other),
-            };
-            if marker != b'N' {
-                return r.fail(format!("update expects 'N', found {:?}", marker as char));
-            }
-            Message::Update {
-                relation,
-                old,
-                new: r.tuple()?,
-            }
-        }
-        b'D' => {
-            streamed_xid(&mut r)?;
-            let relation = r.u32("relation id")?;
-            let kind = match r.u8("delete tuple marker")? {
-                b'K' => OldKind::Key,
-                b'O' => OldKind::Full,
-                other => {
-                    return r.fail(format!(
-                        "delete expects 'K' or 'O', found {:?}",
-                        other as char
-                    ));
-                }
-            };
-            Message::Delete {
-                relation,
-                old: (kind, r.tuple()?),
-            }
-        }
-        b'T' => {
-            streamed_xid(&mut r)?;
-            let n = r.u32("relation count")? as usize;
-            let options = r.u8("truncate options")?;
-            if n > buf.len() / 4 {
-                return r.fail(format!("truncate claims {n} relations"));
-            }
-            let relations = (0..n)
-                .map(|_| r.u32("relation id"))
-                .collect::<Result<_, _>>()?;
-            Message::Truncate { options, relations }
-        }
-        b'M' => {
-            streamed_xid(&mut r)?;
-            let transactional = r.u8("message flags")? & 1 == 1;
-            let lsn = r.u64("message LSN")?;
-            let prefix = r.cstring("message prefix")?;
-            let len = r.u32("message length")? as usize;
-            let start = r.pos;
-            r.take(len, "message content")?;
-            Message::LogicalMessage {
-                transactional,
-                lsn,
-                prefix,
-                content: buf.slice(start..start + len),
-            }
-        }
-        b'S' => Message::StreamStart {
-            xid: r.u32("xid")?,
-            first_segment: r.u8("first segment")? == 1,
-        },
+        b'B' => r.begin()?,
+        b'C' => r.commit()?,
+        b'O' => r.origin()?,
+        b'R' => r.streamed(in_stream)?.relation()?,
+        b'Y' => r.streamed(in_stream)?.data_type()?,
+        b'I' => r.streamed(in_stream)?.insert()?,
+        b'U' => r.streamed(in_stream)?.update()?,
+        b'D' => r.streamed(in_stream)?.delete()?,
+        b'T' => r.streamed(in_stream)?.truncate()?,
+        b'M' => r.streamed(in_stream)?.logical_message()?,
+        b'S' => r.stream_start()?,
         b'E' => Message::StreamStop,
-        b'c' => {
-            let xid = r.u32("xid")?;
-            r.u8("commit flags")?;
-            Message::StreamCommit {
-                xid,
-                commit_lsn: r.u64("commit LSN")?,
-                end_lsn: r.u64("end LSN")?,
-                commit_time_us: r.timestamp("commit time")?,
-            }
-        }
-        b'A' => Message::StreamAbort {
-            xid: r.u32("xid")?,
-            subxid: r.u32("subxid")?,
-        },
+        b'c' => r.stream_commit()?,
+        b'A' => r.stream_abort()?,
         other => return r.fail(format!("unknown message type {:?}", other as char)),
     };
     r.done()?;
     Ok(message)
+}
+
+/// The body of each message kind, read after its type byte.
+impl Reader<'_> {
+    /// Skips the transaction id that data messages carry inside a streamed transaction (v2).
+    fn streamed(&mut self, in_stream: bool) -> Result<&mut Self, PgOutputError> {
+        if in_stream {
+            self.u32("streamed transaction id")?;
+        }
+        Ok(self)
+    }
+
+    /// `B`: a transaction begins.
+    fn begin(&mut self) -> Result<Message, PgOutputError> {
+        Ok(Message::Begin {
+            final_lsn: self.u64("final LSN")?,
+            commit_time_us: self.timestamp("commit time")?,
+            xid: self.u32("xid")?,
+        })
+    }
+
+    /// `C`: a transaction committed.
+    fn commit(&mut self) -> Result<Message, PgOutputError> {
+        self.u8("commit flags")?;
+        Ok(Message::Commit {
+            commit_lsn: self.u64("commit LSN")?,
+            end_lsn: self.u64("end LSN")?,
+            commit_time_us: self.timestamp("commit time")?,
+        })
+    }
+
+    /// `O`: the transaction's origin.
+    fn origin(&mut self) -> Result<Message, PgOutputError> {
+        Ok(Message::Origin {
+            lsn: self.u64("origin LSN")?,
+            name: self.cstring("origin name")?,
+        })
+    }
+
+    /// `R`: a table's shape and columns.
+    fn relation(&mut self) -> Result<Message, PgOutputError> {
+        let id = self.u32("relation id")?;
+        let namespace = self.cstring("namespace")?;
+        let name = self.cstring("relation name")?;
+        let replica_identity = self.u8("replica identity")?;
+        let n = self.u16("column count")? as usize;
+        if n > self.buf.len() {
+            return self.fail(format!("relation claims {n} columns"));
+        }
+        let mut columns = Vec::with_capacity(n);
+        for _ in 0..n {
+            let flags = self.u8("column flags")?;
+            columns.push(Column {
+                key: flags & 1 == 1,
+                name: self.cstring("column name")?,
+                type_oid: self.u32("column type")?,
+                type_modifier: self.i32("column type modifier")?,
+            });
+        }
+        Ok(Message::Relation(Relation {
+            id,
+            namespace,
+            name,
+            replica_identity,
+            columns,
+        }))
+    }
+
+    /// `Y`: a data type.
+    fn data_type(&mut self) -> Result<Message, PgOutputError> {
+        Ok(Message::Type {
+            id: self.u32("type id")?,
+            namespace: self.cstring("type namespace")?,
+            name: self.cstring("type name")?,
+        })
+    }
+
+    /// `I`: an inserted row.
+    fn insert(&mut self) -> Result<Message, PgOutputError> {
+        let relation = self.u32("relation id")?;
+        match self.u8("insert tuple marker")? {
+            b'N' => Ok(Message::Insert {
+                relation,
+                new: self.tuple()?,
+            }),
+            other => self.fail(format!("insert expects 'N', found {:?}", other as char)),
+        }
+    }
+
+    /// `U`: an updated row, with its old key or row when the replica identity gives it.
+    fn update(&mut self) -> Result<Message, PgOutputError> {
+        let relation = self.u32("relation id")?;
+        let (old, marker) = match self.u8("update tuple marker")? {
+            b'K' => (
+                Some((OldKind::Key, self.tuple()?)),
+                self.u8("update new-tuple marker")?,
+            ),
+            b'O' => (
+                Some((OldKind::Full, self.tuple()?)),
+                self.u8("update new-tuple marker")?,
+            ),
+            other => (None, other),
+        };
+        if marker != b'N' {
+            return self.fail(format!("update expects 'N', found {:?}", marker as char));
+        }
+        Ok(Message::Update {
+            relation,
+            old,
+            new: self.tuple()?,
+        })
+    }
+
+    /// `D`: a deleted row's old key or row.
+    fn delete(&mut self) -> Result<Message, PgOutputError> {
+        let relation = self.u32("relation id")?;
+        let kind = match self.u8("delete tuple marker")? {
+            b'K' => OldKind::Key,
+            b'O' => OldKind::Full,
+            other => {
+                return self.fail(format!(
+                    "delete expects 'K' or 'O', found {:?}",
+                    other as char
+                ));
+            }
+        };
+        Ok(Message::Delete {
+            relation,
+            old: (kind, self.tuple()?),
+        })
+    }
+
+    /// `T`: truncated tables.
+    fn truncate(&mut self) -> Result<Message, PgOutputError> {
+        let n = self.u32("relation count")? as usize;
+        let options = self.u8("truncate options")?;
+        if n > self.buf.len() / 4 {
+            return self.fail(format!("truncate claims {n} relations"));
+        }
+        let relations = (0..n)
+            .map(|_| self.u32("relation id"))
+            .collect::<Result<_, _>>()?;
+        Ok(Message::Truncate { options, relations })
+    }
+
+    /// `M`: a logical decoding message.
+    fn logical_message(&mut self) -> Result<Message, PgOutputError> {
+        let transactional = self.u8("message flags")? & 1 == 1;
+        let lsn = self.u64("message LSN")?;
+        let prefix = self.cstring("message prefix")?;
+        let len = self.u32("message length")? as usize;
+        let start = self.pos;
+        self.take(len, "message content")?;
+        Ok(Message::LogicalMessage {
+            transactional,
+            lsn,
+            prefix,
+            content: self.buf.slice(start..start + len),
+        })
+    }
+
+    /// `S`: a chunk of an in-progress transaction starts (v2).
+    fn stream_start(&mut self) -> Result<Message, PgOutputError> {
+        Ok(Message::StreamStart {
+            xid: self.u32("xid")?,
+            first_segment: self.u8("first segment")? == 1,
+        })
+    }
+
+    /// `c`: a streamed transaction committed (v2).
+    fn stream_commit(&mut self) -> Result<Message, PgOutputError> {
+        let xid = self.u32("xid")?;
+        self.u8("commit flags")?;
+        Ok(Message::StreamCommit {
+            xid,
+            commit_lsn: self.u64("commit LSN")?,
+            end_lsn: self.u64("end LSN")?,
+            commit_time_us: self.timestamp("commit time")?,
+        })
+    }
+
+    /// `A`: a streamed (sub)transaction aborted (v2).
+    fn stream_abort(&mut self) -> Result<Message, PgOutputError> {
+        Ok(Message::StreamAbort {
+            xid: self.u32("xid")?,
+            subxid: self.u32("subxid")?,
+        })
+    }
 }
 
 #[cfg(test)]

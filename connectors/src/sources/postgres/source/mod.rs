@@ -37,6 +37,7 @@ use serde_json::Value;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::inspect::error_text;
+use super::metrics::SlotMetrics;
 use super::pgoutput::{self, Datum, Message, OldKind, Relation, Tuple};
 use super::snapshot::{self, ChunkMessage, ChunkProgress, Chunker, CopySnapshot};
 use super::values::text_to_json;
@@ -175,235 +176,20 @@ impl Source for PostgresSource {
         let client = connect(&self.config.url).await?;
         let resume = checkpoint.get(&*self.partition).copied();
         let snapshot_path = PostgresSource::snapshot_progress_path(&self.context.state_dir);
-        let mut export_snapshot = false;
-
-        // Publication.
-        let exists = client
-            .query_opt(
-                "SELECT 1 FROM pg_publication WHERE pubname = $1",
-                &[&self.publication],
-            )
-            .await
-            .map_err(io("cannot read pg_publication"))?
-            .is_some();
-        if !exists {
-            if !self.config.create {
-                return Err(SourceError::Inconsistent(format!(
-                    "publication `{}` does not exist (and `create = false`)",
-                    self.publication
-                )));
-            }
-            let target = if self.config.tables.is_empty() {
-                "ALL TABLES".to_owned()
-            } else {
-                let parts: Vec<String> = self
-                    .config
-                    .tables
-                    .iter()
-                    .map(|t| match t.split_once('.') {
-                        Some((schema, "*")) => format!("TABLES IN SCHEMA {}", quote_ident(schema)),
-                        Some((schema, table)) => {
-                            format!("TABLE {}.{}", quote_ident(schema), quote_ident(table))
-                        }
-                        None => format!("TABLE {}", quote_ident(t)),
-                    })
-                    .collect();
-                parts.join(", ")
-            };
-            client
-                .batch_execute(&format!(
-                    "CREATE PUBLICATION {} FOR {target}",
-                    quote_ident(&self.publication)
-                ))
-                .await
-                .map_err(io(format!(
-                    "cannot create publication `{}`",
-                    self.publication
-                )))?;
-            tracing::info!(publication = %self.publication, %target, "created publication");
-        }
-
-        // Slot.
-        let slot_row = client
-            .query_opt(
-                "SELECT confirmed_flush_lsn::text, coalesce(wal_status, '') FROM pg_replication_slots \
-                 WHERE slot_name = $1 AND database = current_database()",
-                &[&self.slot],
-            )
-            .await
-            .map_err(io("cannot read pg_replication_slots"))?;
-        match slot_row {
-            None if resume.is_some() => {
-                return Err(SourceError::Inconsistent(format!(
-                    "replication slot `{}` is gone but the checkpoint says this pipeline read from it: changes \
-                     since then are lost. Run `refract drop` on the pipeline (or delete its state directory) to start \
-                     over with a new slot and a fresh snapshot",
-                    self.slot
-                )));
-            }
-            Some(row) => {
-                let wal_status: String = row.get(1);
-                if wal_status == "lost" {
-                    return Err(slot_lost(&self.slot));
-                }
-                // Without a checkpoint the stream resumes at the slot's confirmed position: a
-                // transaction committed at or after it comes again, one before it does not.
-                let confirmed: Option<String> = row.get(0);
-                if let (None, Some(confirmed)) = (resume, confirmed) {
-                    let confirmed = parse_lsn(&confirmed)?;
-                    if confirmed > 0 {
-                        self.resumes_unnamed = Checkpoint::from([(
-                            self.partition.to_string(),
-                            Offset(confirmed - 1, u64::MAX),
-                        )]);
-                    }
-                }
-            }
-            None if self.config.create && self.config.snapshot == SnapshotMode::Initial => {
-                // Recorded before the slot exists: a crash right after creating it must not
-                // leave the existing rows unread. The slot itself is created below, on the
-                // replication session, exporting the snapshot the tables are read in.
-                snapshot::mark_snapshot_due(&snapshot_path)?;
-                export_snapshot = true;
-            }
-            None if self.config.create => {
-                client
-                    .execute(
-                        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-                        &[&self.slot],
-                    )
-                    .await
-                    .map_err(io(format!(
-                        "cannot create replication slot `{}`",
-                        self.slot
-                    )))?;
-                tracing::info!(slot = %self.slot, "created replication slot");
-            }
-            None => {
-                return Err(SourceError::Inconsistent(format!(
-                    "replication slot `{}` does not exist (and `create = false`)",
-                    self.slot
-                )));
-            }
-        }
-
-        // Where to resume.
-        let (start_lsn, skip_through) = resume_point(resume);
-
-        // Rows to read into the stream: a backfill asked for, or an initial snapshot that is due.
-        snapshot::resume_after_copy(&self.context.state_dir, resume)?;
-        let chunk_job = if export_snapshot {
-            None
-        } else if let Some(scope) = &self.context.backfill {
-            let path = PostgresSource::backfill_progress_path(&self.context.state_dir);
-            Some((path, scope.tables.as_slice(), scope.restart))
-        } else if snapshot::unfinished(&snapshot_path) {
-            Some((snapshot_path, &[][..], false))
-        } else {
-            None
-        };
-        let mut chunker = match chunk_job {
-            Some((path, tables, restart)) => Some(
-                Chunker::prepare(
-                    &self.config.url,
-                    &self.publication,
-                    &self.slot,
-                    self.config.chunk_rows,
-                    path,
-                    tables,
-                    restart,
-                )
-                .await?,
-            ),
-            None => None,
-        };
-
-        // A backfill run by this process reads an exported snapshot (the fast path) into the
-        // stream; its chunk progress only says where to start.
-        let backfill_plan = if self.context.backfill.is_some() {
-            chunker.take()
-        } else {
-            None
-        };
-
-        // The caught-up marker, written after the slot exists so the stream is sure to reach it;
-        // after the last chunk when rows are being read, after the backfill's snapshot exists
-        // when it is read.
-        let mut caught_up = CaughtUp::Never;
-        let mut marker_tx = None;
-        if mode == ReadMode::UntilCaughtUp && !export_snapshot && backfill_plan.is_none() {
-            if chunker.is_some() {
-                let (tx, rx) = oneshot::channel();
-                caught_up = CaughtUp::Pending(rx);
-                marker_tx = Some(tx);
-            } else {
-                caught_up = CaughtUp::At(emit_caught_up_marker(&client).await?);
-            }
-        }
-
-        let cfg = ReplicationConfig::new(
-            pg.get_hosts()
-                .first()
-                .map_or_else(|| "127.0.0.1".to_owned(), host_string),
-            pg.get_user().unwrap_or("postgres"),
-            pg.get_password()
-                .map(|p| String::from_utf8_lossy(p).into_owned())
-                .unwrap_or_default(),
-            pg.get_dbname().unwrap_or("postgres"),
-            self.slot.clone(),
-            self.publication.clone(),
-        )
-        .with_port(pg.get_ports().first().copied().unwrap_or(5432))
-        .with_tls(TlsConfig::disabled())
-        .with_status_interval(STATUS_INTERVAL)
-        .with_wakeup_interval(STATUS_INTERVAL)
-        .with_application_name("refract");
-        let (replication, copy) = if export_snapshot {
-            let (replication, copy) = snapshot::create_slot_exporting(
-                &cfg,
-                &self.config.url,
-                &self.slot,
-                &self.publication,
-                &self.context.state_dir,
-            )
+        self.ensure_publication(&client).await?;
+        let export_snapshot = self.prepare_slot(&client, resume, &snapshot_path).await?;
+        let mut chunker = self
+            .prepare_chunker(resume, export_snapshot, snapshot_path)
             .await?;
-            if mode == ReadMode::UntilCaughtUp {
-                caught_up = CaughtUp::At(emit_caught_up_marker(&client).await?);
-            }
-            (replication, Some(copy))
-        } else {
-            let copy = match backfill_plan {
-                Some(plan) => {
-                    let progress = plan.progress();
-                    let (tables, scope) = plan.into_plan();
-                    let copy = snapshot::export_for_backfill(
-                        &cfg,
-                        &self.config.url,
-                        &self.slot,
-                        snapshot::CopyPlan {
-                            publication: &self.publication,
-                            state_dir: &self.context.state_dir,
-                            tables: Some(tables),
-                            scope,
-                            progress,
-                            request: None,
-                        },
-                    )
-                    .await?;
-                    // After the snapshot's consistent point: the stream reaches the point
-                    // where the rows go before it reaches the marker.
-                    if mode == ReadMode::UntilCaughtUp {
-                        caught_up = CaughtUp::At(emit_caught_up_marker(&client).await?);
-                    }
-                    Some(copy)
-                }
-                None => None,
-            };
-            (
-                start_replication(&cfg, start_lsn, resume, &self.slot).await?,
-                copy,
-            )
-        };
+        let cfg = replication_config(&pg, &self.slot, &self.publication);
+        let Opened {
+            replication,
+            copy,
+            caught_up,
+            marker,
+        } = self
+            .open_stream(&client, &cfg, mode, export_snapshot, &mut chunker, resume)
+            .await?;
         if let Some(copy) = &copy {
             self.chunks = Some(copy.progress.clone());
         }
@@ -411,31 +197,7 @@ impl Source for PostgresSource {
         let (tx, rx) = mpsc::channel(CHANNEL_CHUNKS);
         if let Some(chunker) = chunker {
             self.chunks = Some(chunker.progress());
-            let errors = tx.clone();
-            let url = self.config.url.clone();
-            let mut stop = self.stop.subscribe();
-            tokio::spawn(async move {
-                let work = async {
-                    let report = chunker.run().await?;
-                    for (table, rows) in &report.tables {
-                        tracing::info!(%table, rows, "rows read into the stream");
-                    }
-                    if let Some(marker) = marker_tx {
-                        let client = connect(&url).await?;
-                        let _ = marker.send(emit_caught_up_marker(&client).await?);
-                    }
-                    Ok::<_, SourceError>(())
-                };
-                // A stop abandons the chunk being read (its progress is kept per chunk; a chunk
-                // committed but not yet recorded is read again, harmlessly).
-                let result = tokio::select! {
-                    result = work => result,
-                    _ = stop.wait_for(|s| *s) => Ok(()),
-                };
-                if let Err(e) = result {
-                    let _ = errors.send(Err(e)).await;
-                }
-            });
+            self.spawn_chunker(chunker, marker, tx.clone());
         }
         // A new reader counts its chunks from 1 again.
         self.received = 0;
@@ -456,10 +218,11 @@ impl Source for PostgresSource {
             ends_at: self.ends_at.clone(),
             rows_prefix: snapshot::message_prefix(&self.slot),
             max_retained_wal: self.config.max_retained_wal_mb.saturating_mul(1 << 20),
+            metrics: SlotMetrics::new(&self.slot),
             relations: HashMap::new(),
             tx: None,
             chunk: Vec::new(),
-            skip_through,
+            skip_through: resume_point(resume).1,
             caught_up,
             last_commit: resume.map(|o| o.0),
             last_sent: None,
@@ -513,6 +276,330 @@ impl Source for PostgresSource {
         let done = p.rows.load(Ordering::Relaxed);
         Some((done, p.total.load(Ordering::Relaxed).max(done)))
     }
+}
+
+/// The steps of [`Source::start`], in the order it takes them.
+impl PostgresSource {
+    /// Creates the publication when it does not exist (and `create` allows it).
+    async fn ensure_publication(&self, client: &tokio_postgres::Client) -> Result<(), SourceError> {
+        let exists = client
+            .query_opt(
+                "SELECT 1 FROM pg_publication WHERE pubname = $1",
+                &[&self.publication],
+            )
+            .await
+            .map_err(io("cannot read pg_publication"))?
+            .is_some();
+        if exists {
+            return Ok(());
+        }
+        if !self.config.create {
+            return Err(SourceError::Inconsistent(format!(
+                "publication `{}` does not exist (and `create = false`)",
+                self.publication
+            )));
+        }
+        let target = publication_target(&self.config.tables);
+        client
+            .batch_execute(&format!(
+                "CREATE PUBLICATION {} FOR {target}",
+                quote_ident(&self.publication)
+            ))
+            .await
+            .map_err(io(format!(
+                "cannot create publication `{}`",
+                self.publication
+            )))?;
+        tracing::info!(publication = %self.publication, %target, "created publication");
+        Ok(())
+    }
+
+    /// Checks the slot against the checkpoint `resume`: refuses a slot that is gone or lost,
+    /// notes where a slot resumes without a checkpoint, creates a missing slot (and `create`
+    /// allows it). Returns whether the slot is still to be created, exporting the snapshot of an
+    /// initial snapshot (marked due in `snapshot_path`).
+    async fn prepare_slot(
+        &mut self,
+        client: &tokio_postgres::Client,
+        resume: Option<Offset>,
+        snapshot_path: &std::path::Path,
+    ) -> Result<bool, SourceError> {
+        let slot_row = client
+            .query_opt(
+                "SELECT confirmed_flush_lsn::text, coalesce(wal_status, '') FROM pg_replication_slots \
+                 WHERE slot_name = $1 AND database = current_database()",
+                &[&self.slot],
+            )
+            .await
+            .map_err(io("cannot read pg_replication_slots"))?;
+        match slot_row {
+            None if resume.is_some() => {
+                return Err(SourceError::Inconsistent(format!(
+                    "replication slot `{}` is gone but the checkpoint says this pipeline read from it: changes \
+                     since then are lost. Run `refract drop` on the pipeline (or delete its state directory) to start \
+                     over with a new slot and a fresh snapshot",
+                    self.slot
+                )));
+            }
+            Some(row) => {
+                let wal_status: String = row.get(1);
+                if wal_status == "lost" {
+                    return Err(slot_lost(&self.slot));
+                }
+                // Without a checkpoint the stream resumes at the slot's confirmed position: a
+                // transaction committed at or after it comes again, one before it does not.
+                let confirmed: Option<String> = row.get(0);
+                if let (None, Some(confirmed)) = (resume, confirmed) {
+                    let confirmed = parse_lsn(&confirmed)?;
+                    if confirmed > 0 {
+                        self.resumes_unnamed = Checkpoint::from([(
+                            self.partition.to_string(),
+                            Offset(confirmed - 1, u64::MAX),
+                        )]);
+                    }
+                }
+            }
+            None if self.config.create && self.config.snapshot == SnapshotMode::Initial => {
+                // Recorded before the slot exists: a crash right after creating it must not
+                // leave the existing rows unread. The slot itself is created later, on the
+                // replication session, exporting the snapshot the tables are read in.
+                snapshot::mark_snapshot_due(snapshot_path)?;
+                return Ok(true);
+            }
+            None if self.config.create => {
+                client
+                    .execute(
+                        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                        &[&self.slot],
+                    )
+                    .await
+                    .map_err(io(format!(
+                        "cannot create replication slot `{}`",
+                        self.slot
+                    )))?;
+                tracing::info!(slot = %self.slot, "created replication slot");
+            }
+            None => {
+                return Err(SourceError::Inconsistent(format!(
+                    "replication slot `{}` does not exist (and `create = false`)",
+                    self.slot
+                )));
+            }
+        }
+        Ok(false)
+    }
+
+    /// Rows to read into the stream in chunks: a backfill asked for, or an initial snapshot
+    /// that is due (and not read from an exported snapshot).
+    async fn prepare_chunker(
+        &self,
+        resume: Option<Offset>,
+        export_snapshot: bool,
+        snapshot_path: PathBuf,
+    ) -> Result<Option<Chunker>, SourceError> {
+        snapshot::resume_after_copy(&self.context.state_dir, resume)?;
+        let chunk_job = if export_snapshot {
+            None
+        } else if let Some(scope) = &self.context.backfill {
+            let path = PostgresSource::backfill_progress_path(&self.context.state_dir);
+            Some((path, scope.tables.as_slice(), scope.restart))
+        } else if snapshot::unfinished(&snapshot_path) {
+            Some((snapshot_path, &[][..], false))
+        } else {
+            None
+        };
+        let Some((path, tables, restart)) = chunk_job else {
+            return Ok(None);
+        };
+        let chunker = Chunker::prepare(
+            &self.config.url,
+            &self.publication,
+            &self.slot,
+            self.config.chunk_rows,
+            path,
+            tables,
+            restart,
+        )
+        .await?;
+        Ok(Some(chunker))
+    }
+
+    /// Opens the replication stream: creating the slot exporting the initial snapshot's
+    /// snapshot, exporting the snapshot of a backfill run by this process (taken out of
+    /// `chunker`), or resuming at the checkpoint `resume`; and plans when `--until-caught-up`
+    /// stops.
+    async fn open_stream(
+        &self,
+        client: &tokio_postgres::Client,
+        cfg: &ReplicationConfig,
+        mode: ReadMode,
+        export_snapshot: bool,
+        chunker: &mut Option<Chunker>,
+        resume: Option<Offset>,
+    ) -> Result<Opened, SourceError> {
+        // A backfill run by this process reads an exported snapshot (the fast path) into the
+        // stream; its chunk progress only says where to start.
+        let backfill_plan = if self.context.backfill.is_some() {
+            chunker.take()
+        } else {
+            None
+        };
+        // The caught-up marker, written after the slot exists so the stream is sure to reach
+        // it; after the last chunk when rows are being read, after the backfill's snapshot
+        // exists when it is read.
+        let mut caught_up = CaughtUp::Never;
+        let mut marker_tx = None;
+        if mode == ReadMode::UntilCaughtUp && !export_snapshot && backfill_plan.is_none() {
+            if chunker.is_some() {
+                let (tx, rx) = oneshot::channel();
+                caught_up = CaughtUp::Pending(rx);
+                marker_tx = Some(tx);
+            } else {
+                caught_up = CaughtUp::At(emit_caught_up_marker(client).await?);
+            }
+        }
+        if export_snapshot {
+            let (replication, copy) = snapshot::create_slot_exporting(
+                cfg,
+                &self.config.url,
+                &self.slot,
+                &self.publication,
+                &self.context.state_dir,
+            )
+            .await?;
+            if mode == ReadMode::UntilCaughtUp {
+                caught_up = CaughtUp::At(emit_caught_up_marker(client).await?);
+            }
+            return Ok(Opened {
+                replication,
+                copy: Some(copy),
+                caught_up,
+                marker: marker_tx,
+            });
+        }
+        let copy = match backfill_plan {
+            Some(plan) => {
+                let copy = self.export_backfill(cfg, plan).await?;
+                // After the snapshot's consistent point: the stream reaches the point where
+                // the rows go before it reaches the marker.
+                if mode == ReadMode::UntilCaughtUp {
+                    caught_up = CaughtUp::At(emit_caught_up_marker(client).await?);
+                }
+                Some(copy)
+            }
+            None => None,
+        };
+        let (start_lsn, _) = resume_point(resume);
+        let replication = start_replication(cfg, start_lsn, resume, &self.slot).await?;
+        Ok(Opened {
+            replication,
+            copy,
+            caught_up,
+            marker: marker_tx,
+        })
+    }
+
+    /// Exports the snapshot a backfill run by this process reads, planned by `plan`.
+    async fn export_backfill(
+        &self,
+        cfg: &ReplicationConfig,
+        plan: Chunker,
+    ) -> Result<CopySnapshot, SourceError> {
+        let progress = plan.progress();
+        let (tables, scope) = plan.into_plan();
+        snapshot::export_for_backfill(
+            cfg,
+            &self.config.url,
+            &self.slot,
+            snapshot::CopyPlan {
+                publication: &self.publication,
+                state_dir: &self.context.state_dir,
+                tables: Some(tables),
+                scope,
+                progress,
+                request: None,
+            },
+        )
+        .await
+    }
+
+    /// Reads the rows of `chunker` into the stream on a task of its own, then writes the
+    /// caught-up marker when `marker` waits for it. Its failure goes to the stream (`errors`).
+    fn spawn_chunker(
+        &self,
+        chunker: Chunker,
+        marker: Option<oneshot::Sender<u64>>,
+        errors: Chunks,
+    ) {
+        let url = self.config.url.clone();
+        let mut stop = self.stop.subscribe();
+        tokio::spawn(async move {
+            let work = async {
+                let report = chunker.run().await?;
+                for (table, rows) in &report.tables {
+                    tracing::info!(%table, rows, "rows read into the stream");
+                }
+                if let Some(marker) = marker {
+                    let client = connect(&url).await?;
+                    let _ = marker.send(emit_caught_up_marker(&client).await?);
+                }
+                Ok::<_, SourceError>(())
+            };
+            // A stop abandons the chunk being read (its progress is kept per chunk; a chunk
+            // committed but not yet recorded is read again, harmlessly).
+            let result = tokio::select! {
+                result = work => result,
+                _ = stop.wait_for(|s| *s) => Ok(()),
+            };
+            if let Err(e) = result {
+                let _ = errors.send(Err(e)).await;
+            }
+        });
+    }
+}
+
+/// The `FOR ...` part of `CREATE PUBLICATION` for the configured tables (`schema.*` for a
+/// whole schema; none for all tables).
+fn publication_target(tables: &[String]) -> String {
+    if tables.is_empty() {
+        return "ALL TABLES".to_owned();
+    }
+    let parts: Vec<String> = tables
+        .iter()
+        .map(|t| match t.split_once('.') {
+            Some((schema, "*")) => format!("TABLES IN SCHEMA {}", quote_ident(schema)),
+            Some((schema, table)) => {
+                format!("TABLE {}.{}", quote_ident(schema), quote_ident(table))
+            }
+            None => format!("TABLE {}", quote_ident(t)),
+        })
+        .collect();
+    parts.join(", ")
+}
+
+/// The replication session's settings, from the source's URL.
+fn replication_config(
+    pg: &tokio_postgres::Config,
+    slot: &str,
+    publication: &str,
+) -> ReplicationConfig {
+    ReplicationConfig::new(
+        pg.get_hosts()
+            .first()
+            .map_or_else(|| "127.0.0.1".to_owned(), host_string),
+        pg.get_user().unwrap_or("postgres"),
+        pg.get_password()
+            .map(|p| String::from_utf8_lossy(p).into_owned())
+            .unwrap_or_default(),
+        pg.get_dbname().unwrap_or("postgres"),
+        slot.to_owned(),
+        publication.to_owned(),
+    )
+    .with_port(pg.get_ports().first().copied().unwrap_or(5432))
+    .with_tls(TlsConfig::disabled())
+    .with_status_interval(STATUS_INTERVAL)
+    .with_wakeup_interval(STATUS_INTERVAL)
+    .with_application_name("refract")
 }
 
 /// Where the stream starts for a checkpoint: (LSN to ask for, changes to skip up to).
@@ -699,6 +786,8 @@ struct Reader {
     rows_prefix: String,
     /// Retained WAL (bytes) above which a warning is logged.
     max_retained_wal: u64,
+    /// The slot's metrics.
+    metrics: SlotMetrics,
     relations: HashMap<u32, RelationInfo>,
     tx: Option<OpenTx>,
     chunk: Vec<SourceItem>,
@@ -722,6 +811,17 @@ struct Reader {
 }
 
 type Chunks = mpsc::Sender<Result<Vec<SourceItem>, SourceError>>;
+
+/// A replication stream opened by [`PostgresSource::open_stream`].
+struct Opened {
+    replication: ReplicationClient,
+    /// An exported snapshot to read (see [`Reader::copy`]).
+    copy: Option<CopySnapshot>,
+    /// When `--until-caught-up` stops.
+    caught_up: CaughtUp,
+    /// Set when the caught-up marker is to be written after the chunks are read.
+    marker: Option<oneshot::Sender<u64>>,
+}
 
 /// Why the stream ended.
 enum Ended {

@@ -283,6 +283,8 @@ impl Reader {
         .await
     }
 
+    /// Reads the stream until it ends: hands out its changes in chunks, confirms to the slot
+    /// what the runtime reports durable, checks the slot now and then.
     pub(super) async fn stream(
         &mut self,
         replication: &mut ReplicationClient,
@@ -306,26 +308,8 @@ impl Reader {
                         return Ok(Ended::Done);
                     }
                     let durable_at = durable.borrow_and_update().get(&*self.partition).copied();
-                    if let Some(Offset(lsn, seq)) = durable_at {
-                        replication.update_applied_lsn(Lsn::from_u64(if seq == u64::MAX { lsn + 1 } else { lsn }));
-                        in_flight_free = nothing_in_flight(Offset(lsn, seq), self.tx.is_some(), self.last_sent);
-                        self.resumed_from = Some(Offset(lsn, seq));
-                        // Reads whose every row is durable are complete.
-                        let durable_at = Offset(lsn, seq);
-                        let mut backfilled = false;
-                        for (end, kind) in &self.copy_ends {
-                            if durable_at >= *end {
-                                snapshot::resume_copy_kind(*kind, &self.state_dir, Some(durable_at))?;
-                                backfilled |= *kind == snapshot::CopyKind::Backfill;
-                            }
-                        }
-                        self.copy_ends.retain(|(end, _)| durable_at < *end);
-                        // A request that came while that backfill was under way.
-                        if backfilled && self.takes_requests {
-                            if let Ok(Some(request)) = snapshot::BackfillRequest::pending(&self.state_dir) {
-                                self.take_backfill(request).await;
-                            }
-                        }
+                    if let Some(durable_at) = durable_at {
+                        in_flight_free = self.durable_advanced(replication, durable_at).await?;
                     }
                     continue;
                 }
@@ -352,92 +336,17 @@ impl Reader {
                 self.flush(out).await?;
                 return Ok(Ended::Done);
             };
-            // A backfill's snapshot holds every transaction committed before its consistent
-            // point and none after: its rows go before the first transaction at or past it.
-            let reached = match &event {
-                ReplicationEvent::Begin { final_lsn, .. } => Some(final_lsn.as_u64()),
-                ReplicationEvent::Message { lsn, .. } if self.tx.is_none() => Some(lsn.as_u64()),
-                ReplicationEvent::KeepAlive { wal_end, .. } if self.tx.is_none() => {
-                    Some(wal_end.as_u64())
-                }
-                _ => None,
-            };
-            if reached.is_some_and(|at| self.backfill_due(at)) {
+            if self.reaches_backfill(&event) {
                 if !self.read_pending_copy(out, stop).await? {
                     return Ok(Ended::Done);
                 }
                 in_flight_free = false;
             }
-            match event {
-                ReplicationEvent::Begin {
-                    final_lsn,
-                    xid,
-                    commit_time_micros,
-                } => {
-                    let lsn = final_lsn.as_u64();
-                    let commit_ms = (commit_time_micros + pgoutput::PG_EPOCH_OFFSET_MICROS) / 1000;
-                    // Its BEGIN marker is handed out with its first item: a transaction with
-                    // nothing for this pipeline (only other pipelines' snapshot chunks, say)
-                    // leaves no trace.
-                    self.tx = Some(OpenTx {
-                        lsn,
-                        xid,
-                        seq: 0,
-                        commit_ms,
-                        was_free: in_flight_free,
-                    });
-                    in_flight_free = false;
-                }
-                ReplicationEvent::XLogData { data, .. } => {
-                    if let Err(e) = self.data(data).await {
-                        // A catalog look-up failed: the control connection is gone too.
-                        return Ok(Ended::Lost(e.to_string()));
-                    }
-                }
-                ReplicationEvent::Commit { .. } => {
-                    let Some(tx) = self.tx.take() else {
-                        return Err(SourceError::Inconsistent(
-                            "COMMIT without BEGIN in the replication stream".into(),
-                        ));
-                    };
-                    if tx.seq == 0 {
-                        in_flight_free = tx.was_free;
-                    } else {
-                        self.marker(TxStatus::End, Offset(tx.lsn, u64::MAX), &tx);
-                        self.last_commit = Some(tx.lsn);
-                        self.flush(out).await?;
-                    }
-                }
-                ReplicationEvent::Message {
-                    prefix,
-                    lsn,
-                    transactional,
-                    content,
-                } => {
-                    if transactional && prefix == self.rows_prefix && self.tx.is_some() {
-                        self.rows(&content);
-                    } else if !transactional && prefix == self.request_prefix && self.tx.is_none() {
-                        self.requested(&content).await;
-                    } else if prefix == CAUGHT_UP_PREFIX
-                        && matches!(self.caught_up, CaughtUp::At(at) if lsn.as_u64() >= at)
-                        && self.tx.is_none()
-                    {
-                        tracing::info!(lsn = %lsn, "caught up with the slot");
-                        self.flush(out).await?;
-                        return Ok(Ended::Done);
-                    }
-                }
-                ReplicationEvent::KeepAlive { wal_end, .. } => {
-                    // Nothing in flight and everything handed out is durable: let the slot
-                    // follow the server, so WAL of unrelated traffic is not retained for us.
-                    if in_flight_free && self.tx.is_none() && self.chunk.is_empty() {
-                        replication.update_applied_lsn(wal_end);
-                    }
-                }
-                ReplicationEvent::StoppedAt { .. } => {
-                    self.flush(out).await?;
-                    return Ok(Ended::Done);
-                }
+            if let Some(ended) = self
+                .event(event, replication, out, &mut in_flight_free)
+                .await?
+            {
+                return Ok(ended);
             }
             if self.chunk.len() >= CHUNK_EVENTS {
                 self.flush(out).await?;
@@ -445,8 +354,140 @@ impl Reader {
         }
     }
 
+    /// The runtime reports `durable_at` durable: confirms it to the slot, completes the reads
+    /// whose every row is durable (taking a backfill request that waited for one). Returns
+    /// whether nothing handed out is in flight any more.
+    async fn durable_advanced(
+        &mut self,
+        replication: &ReplicationClient,
+        durable_at: Offset,
+    ) -> Result<bool, SourceError> {
+        let Offset(lsn, seq) = durable_at;
+        replication.update_applied_lsn(Lsn::from_u64(if seq == u64::MAX { lsn + 1 } else { lsn }));
+        let in_flight_free = nothing_in_flight(durable_at, self.tx.is_some(), self.last_sent);
+        self.resumed_from = Some(durable_at);
+        // Reads whose every row is durable are complete.
+        let mut backfilled = false;
+        for (end, kind) in &self.copy_ends {
+            if durable_at >= *end {
+                snapshot::resume_copy_kind(*kind, &self.state_dir, Some(durable_at))?;
+                backfilled |= *kind == snapshot::CopyKind::Backfill;
+            }
+        }
+        self.copy_ends.retain(|(end, _)| durable_at < *end);
+        // A request that came while that backfill was under way.
+        if backfilled && self.takes_requests {
+            if let Ok(Some(request)) = snapshot::BackfillRequest::pending(&self.state_dir) {
+                self.take_backfill(request).await;
+            }
+        }
+        Ok(in_flight_free)
+    }
+
+    /// Whether `event` is where the rows of a backfill's snapshot go. The snapshot holds every
+    /// transaction committed before its consistent point and none after: its rows go before the
+    /// first transaction at or past it.
+    fn reaches_backfill(&self, event: &ReplicationEvent) -> bool {
+        let reached = match event {
+            ReplicationEvent::Begin { final_lsn, .. } => Some(final_lsn.as_u64()),
+            ReplicationEvent::Message { lsn, .. } if self.tx.is_none() => Some(lsn.as_u64()),
+            ReplicationEvent::KeepAlive { wal_end, .. } if self.tx.is_none() => {
+                Some(wal_end.as_u64())
+            }
+            _ => None,
+        };
+        reached.is_some_and(|at| self.backfill_due(at))
+    }
+
+    /// Handles one event of the stream; returns why the stream ends when it does.
+    async fn event(
+        &mut self,
+        event: ReplicationEvent,
+        replication: &ReplicationClient,
+        out: &Chunks,
+        in_flight_free: &mut bool,
+    ) -> Result<Option<Ended>, SourceError> {
+        match event {
+            ReplicationEvent::Begin {
+                final_lsn,
+                xid,
+                commit_time_micros,
+            } => {
+                let lsn = final_lsn.as_u64();
+                let commit_ms = (commit_time_micros + pgoutput::PG_EPOCH_OFFSET_MICROS) / 1000;
+                // Its BEGIN marker is handed out with its first item: a transaction with
+                // nothing for this pipeline (only other pipelines' snapshot chunks, say)
+                // leaves no trace.
+                self.tx = Some(OpenTx {
+                    lsn,
+                    xid,
+                    seq: 0,
+                    commit_ms,
+                    was_free: *in_flight_free,
+                });
+                *in_flight_free = false;
+            }
+            ReplicationEvent::XLogData { data, .. } => {
+                if let Err(e) = self.data(data).await {
+                    // A catalog look-up failed: the control connection is gone too.
+                    return Ok(Some(Ended::Lost(e.to_string())));
+                }
+            }
+            ReplicationEvent::Commit { .. } => self.commit(out, in_flight_free).await?,
+            ReplicationEvent::Message {
+                prefix,
+                lsn,
+                transactional,
+                content,
+            } => {
+                if transactional && prefix == self.rows_prefix && self.tx.is_some() {
+                    self.rows(&content);
+                } else if !transactional && prefix == self.request_prefix && self.tx.is_none() {
+                    self.requested(&content).await;
+                } else if prefix == CAUGHT_UP_PREFIX
+                    && matches!(self.caught_up, CaughtUp::At(at) if lsn.as_u64() >= at)
+                    && self.tx.is_none()
+                {
+                    tracing::info!(lsn = %lsn, "caught up with the slot");
+                    self.flush(out).await?;
+                    return Ok(Some(Ended::Done));
+                }
+            }
+            ReplicationEvent::KeepAlive { wal_end, .. } => {
+                // Nothing in flight and everything handed out is durable: let the slot
+                // follow the server, so WAL of unrelated traffic is not retained for us.
+                if *in_flight_free && self.tx.is_none() && self.chunk.is_empty() {
+                    replication.update_applied_lsn(wal_end);
+                }
+            }
+            ReplicationEvent::StoppedAt { .. } => {
+                self.flush(out).await?;
+                return Ok(Some(Ended::Done));
+            }
+        }
+        Ok(None)
+    }
+
+    /// A COMMIT: hands out the transaction with its COMMIT marker, or forgets it when nothing
+    /// of it was for this pipeline.
+    async fn commit(&mut self, out: &Chunks, in_flight_free: &mut bool) -> Result<(), SourceError> {
+        let Some(tx) = self.tx.take() else {
+            return Err(SourceError::Inconsistent(
+                "COMMIT without BEGIN in the replication stream".into(),
+            ));
+        };
+        if tx.seq == 0 {
+            *in_flight_free = tx.was_free;
+        } else {
+            self.marker(TxStatus::End, Offset(tx.lsn, u64::MAX), &tx);
+            self.last_commit = Some(tx.lsn);
+            self.flush(out).await?;
+        }
+        Ok(())
+    }
+
     /// Warns when the slot holds back more WAL than allowed; stops when it was invalidated.
-    pub(super) async fn check_slot(&self) -> Result<(), SourceError> {
+    pub(super) async fn check_slot(&mut self) -> Result<(), SourceError> {
         let row = match self
             .catalog
             .query_opt(
@@ -473,8 +514,7 @@ impl Reader {
         if status == "lost" {
             return Err(slot_lost(&self.slot));
         }
-        metrics::gauge!("refract_slot_retained_wal_bytes", "slot" => self.slot.clone())
-            .set(retained as f64);
+        self.metrics.retained_wal(retained);
         if retained > self.max_retained_wal {
             tracing::warn!(
                 slot = %self.slot,
