@@ -18,7 +18,7 @@ use common::cache::*;
 use common::pg::{Cleanup, catch_up};
 use common::{Rng, Running, in_ci, refract};
 
-/// The application's versioned fill (the recipe the README documents).
+/// The application's versioned fill (the recipe `docs/sinks/redis.md` documents under "Stale sets").
 const VERSIONED_SET: &str = include_str!("../deploy/redis/versioned-set.lua");
 /// Keys per wave: one multi-row UPDATE, one wait for the slot, then the readers' sets.
 const WAVE: i64 = 1_000;

@@ -1,5 +1,5 @@
 -- Versioned cache fill for applications behind a refract `redis` sink with
--- `command = "tombstone"` (see the README, "Stale sets").
+-- `command = "tombstone"` (see docs/sinks/redis.md, "Stale sets").
 --
 -- A reader that missed the cache, read a row from the primary store and then caches it can lose
 -- a race: the row changes and refract deletes the key between the reader's read and its SET,

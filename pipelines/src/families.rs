@@ -43,11 +43,13 @@ mod tests {
         (
             "flatten",
             "kind = \"flatten\"\nsinks = [\"s\"]\ntable = \"orders\"\n\
-             [[projections.p.outputs]]\nname = \"orders\"\nkey = [\"id\"]",
+             [[projections.p.outputs]]\nname = \"orders\"\nkey = [\"id\"]\n\
+             columns = [{ name = \"id\", path = \"id\" }]",
         ),
         (
             "document",
-            "kind = \"document\"\nsinks = [\"s\"]\ntable = \"public.books\"",
+            "kind = \"document\"\nsinks = [\"s\"]\ntable = \"public.books\"\n\
+             fields = [{ name = \"id\", from = \"id\" }]",
         ),
     ];
 

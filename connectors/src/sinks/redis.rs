@@ -49,7 +49,7 @@ const SECOND_DELETE_QUEUE: usize = 1024;
 /// How long shutdown waits past `second_delete_ms` for the last second deletes.
 const SECOND_DELETE_GRACE: Duration = Duration::from_secs(5);
 
-/// Prefix of a tombstone value; the application's versioned SET recognizes it (see the README).
+/// Prefix of a tombstone value; the application's versioned SET recognizes it (see `docs/sinks/redis.md`, "Stale sets").
 pub const TOMBSTONE_PREFIX: &str = "refract-tombstone:";
 
 /// Sets a tombstone `refract-tombstone:{ARGV[1]}` with a TTL of `ARGV[2]` milliseconds, unless

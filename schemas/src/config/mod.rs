@@ -703,7 +703,8 @@ pub enum RedisDeleteCommand {
     /// `DEL`: frees the memory inline (servers older than 4.0, or when memory must drop now).
     Del,
     /// Replace the value with a short-lived tombstone that carries the row's version: the
-    /// application's versioned SET (a Lua script, see the README) refuses values older than it.
+    /// application's versioned SET (a Lua script, see `docs/sinks/redis.md`, "Stale sets")
+    /// refuses values older than it.
     Tombstone,
 }
 

@@ -6,7 +6,7 @@
 //! here, the source in `source.rs`, the projections in `projections.rs` (`document` and
 //! `flatten` in their own files), the sinks in `sinks.rs`. A new connector adds its checks there.
 
-use super::{DeadLetterConfig, PipelineFile, PipelineSection, ProjectionConfig, SinkConfig};
+use super::{DeadLetterConfig, PipelineFile, PipelineSection};
 
 mod document;
 mod flatten;
@@ -97,74 +97,6 @@ fn dead_letter(problem: &mut impl FnMut(&str, String), d: &DeadLetterConfig) {
             problem("pipeline.dead_letter.path", "must not be empty".into())
         }
         _ => {}
-    }
-}
-
-/// The end of a route (a projection writing to a sink) that a kind check reports at.
-#[derive(Clone, Copy)]
-enum RouteEnd {
-    /// `projections.NAME.sinks[index]`, checked with the projection's rules.
-    Projection { index: usize },
-    /// `sinks.NAME`, checked with the sink's rules.
-    Sink,
-}
-
-// TODO(lead): replaced by declared families
-/// Refuses a projection writing to a sink whose kind cannot hold its writes. Each route is
-/// checked from both ends, at the point of the file's order where the end's other rules are:
-/// from the projection (`flatten` into `parquet` or `null` only, `cache_invalidation` into
-/// `redis` or `null` only) and from the sink (`parquet` from `flatten` only, `postgres` from
-/// `replica` or `document` only).
-fn check_route_by_kind(
-    problem: &mut impl FnMut(&str, String),
-    end: RouteEnd,
-    (projection_name, projection): (&str, &ProjectionConfig),
-    (sink_name, sink): (&str, &SinkConfig),
-) {
-    use ProjectionConfig as P;
-    use SinkConfig as S;
-    match end {
-        RouteEnd::Projection { index } => {
-            let at = format!("projections.{projection_name}.sinks[{index}]");
-            match (projection, sink) {
-                (P::Flatten(_), S::Parquet(_) | S::Null(_)) => {}
-                (P::Flatten(_), _) => problem(
-                    &at,
-                    format!(
-                        "sink `{sink_name}` cannot hold flat rows (use a `parquet` or `null` sink)"
-                    ),
-                ),
-                (P::CacheInvalidation(_), S::Redis(_) | S::Null(_)) => {}
-                (P::CacheInvalidation(_), _) => problem(
-                    &at,
-                    format!(
-                        "sink `{sink_name}` cannot apply cache invalidations (use a `redis` or `null` sink)"
-                    ),
-                ),
-                (P::Replica(_) | P::Document(_), _) => {}
-            }
-        }
-        RouteEnd::Sink => {
-            let at = format!("sinks.{sink_name}");
-            match (sink, projection) {
-                (S::Parquet(_), P::Flatten(_)) => {}
-                (S::Parquet(_), _) => problem(
-                    &at,
-                    format!(
-                        "projection `{projection_name}` writes documents, which a `parquet` sink cannot hold: \
-                         feed it from a `flatten` projection"
-                    ),
-                ),
-                (S::Postgres(_), P::Replica(_) | P::Document(_)) => {}
-                (S::Postgres(_), _) => problem(
-                    &at,
-                    format!(
-                        "projection `{projection_name}` does not write documents, which is all a `postgres` sink holds"
-                    ),
-                ),
-                (S::ObjectJson(_) | S::Redis(_) | S::Null(_), _) => {}
-            }
-        }
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{RouteEnd, check_route_by_kind, document, flatten};
+use super::{document, flatten};
 use crate::config::{
     CacheInvalidationProjectionConfig, PipelineFile, ProjectionConfig, RedisDeleteCommand,
     RedisSinkConfig, ReplicaProjectionConfig, SinkConfig,
@@ -28,7 +28,7 @@ pub(super) fn validate(problem: &mut impl FnMut(&str, String), file: &PipelineFi
             ProjectionConfig::Flatten(f) => flatten::validate(problem, &base, f),
             ProjectionConfig::CacheInvalidation(c) => cache_invalidation(problem, &base, c),
         }
-        routes(problem, (name, projection), &base, &file.sinks);
+        routes(problem, projection, &base, &file.sinks);
     }
 }
 
@@ -109,26 +109,21 @@ fn cache_invalidation(
 }
 
 /// Each route from the projection to a declared sink, in the order of its `sinks`: what the
-/// sink's settings ask of the projection, then whether the sink's kind can hold its writes.
+/// sink's settings ask of the projection. Whether the sink's kind can take what the projection
+/// writes is checked from the kinds' declarations ([`super::routes`]).
 fn routes(
     problem: &mut impl FnMut(&str, String),
-    (name, projection): (&str, &ProjectionConfig),
+    projection: &ProjectionConfig,
     base: &str,
     sinks: &BTreeMap<String, SinkConfig>,
 ) {
-    for (index, sink_name) in projection.sinks().iter().enumerate() {
+    for sink_name in projection.sinks() {
         let Some(sink) = sinks.get(sink_name) else {
             continue;
         };
         if let (ProjectionConfig::CacheInvalidation(c), SinkConfig::Redis(r)) = (projection, sink) {
             tombstones_need_versions(problem, base, c, sink_name, r);
         }
-        check_route_by_kind(
-            problem,
-            RouteEnd::Projection { index },
-            (name, projection),
-            (sink_name, sink),
-        );
     }
 }
 

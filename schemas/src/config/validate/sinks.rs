@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{RouteEnd, check_route_by_kind, mask_url, object_store_url, range};
+use super::{mask_url, object_store_url, range};
 use crate::config::{
     ObjectJsonSinkConfig, ParquetSinkConfig, PipelineFile, PostgresSinkConfig, ProjectionConfig,
     RedisDeleteCommand, RedisSinkConfig, SinkConfig,
@@ -21,7 +21,6 @@ pub(super) fn validate(problem: &mut impl FnMut(&str, String), file: &PipelineFi
             SinkConfig::Postgres(s) => postgres(problem, &base, s),
             SinkConfig::Null(_) => {}
         }
-        writers(problem, (name, sink), &file.projections);
     }
 }
 
@@ -189,23 +188,4 @@ fn postgres(problem: &mut impl FnMut(&str, String), base: &str, s: &PostgresSink
         1,
         100_000,
     );
-}
-
-/// Each projection writing to the sink, in the order of its name: can the sink's kind hold what
-/// it writes.
-fn writers(
-    problem: &mut impl FnMut(&str, String),
-    (name, sink): (&str, &SinkConfig),
-    projections: &BTreeMap<String, ProjectionConfig>,
-) {
-    for (projection_name, projection) in projections {
-        if projection.sinks().iter().any(|s| s == name) {
-            check_route_by_kind(
-                problem,
-                RouteEnd::Sink,
-                (projection_name, projection),
-                (name, sink),
-            );
-        }
-    }
 }

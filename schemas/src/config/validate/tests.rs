@@ -96,7 +96,7 @@ fn edit(edits: &[(&str, &str)]) -> String {
 
 /// `(path, message)` of each error `load_str` reports for `text`, in order.
 fn problems(text: &str) -> Vec<(String, String)> {
-    match load_str("p.toml", text, &env) {
+    match load_str("p.toml", text, &env, None) {
         Ok(_) => Vec::new(),
         Err(errors) => errors.0.into_iter().map(|e| (e.path, e.message)).collect(),
     }
@@ -427,12 +427,6 @@ fn each_rule_names_its_field() {
             "projections.flat.outputs[0].unmapped.column",
             "`total` is already a declared column",
         ),
-        (
-            "flatten into a document sink",
-            edit(&[("sinks = [\"lake\"]", "sinks = [\"lake\", \"objects\"]")]),
-            "projections.flat.sinks[1]",
-            "sink `objects` cannot hold flat rows (use a `parquet` or `null` sink)",
-        ),
         // Cache invalidation projection.
         (
             "no tables to invalidate",
@@ -469,15 +463,6 @@ fn each_rule_names_its_field() {
             sink("cache", "command = \"tombstone\""),
             "projections.invalidate.tables.public.books.version_column",
             "sink `cache` writes tombstones, which need the row's version: name a version column",
-        ),
-        (
-            "invalidations into a document sink",
-            edit(&[(
-                "sinks = [\"cache\", \"discard\"]",
-                "sinks = [\"cache\", \"discard\", \"objects\"]",
-            )]),
-            "projections.invalidate.sinks[2]",
-            "sink `objects` cannot apply cache invalidations (use a `redis` or `null` sink)",
         ),
         // Each sink's writers.
         (
@@ -618,15 +603,6 @@ fn each_rule_names_its_field() {
             "sinks.lake.compact_interval_ms",
             "must be between 1000 and 86400000, found 999",
         ),
-        (
-            "documents into parquet",
-            edit(&[(
-                "sinks = [\"objects\", \"docs_db\"]",
-                "sinks = [\"objects\", \"docs_db\", \"lake\"]",
-            )]),
-            "sinks.lake",
-            "projection `replica` writes documents, which a `parquet` sink cannot hold: feed it from a `flatten` projection",
-        ),
         // PostgreSQL sink.
         (
             "postgres sink url",
@@ -711,25 +687,8 @@ fn errors_come_in_the_order_of_the_checks() {
             )]),
             &["projections.replica.sinks[2]", "projections.replica.default_key"],
         ),
-        (
-            "flatten into postgres",
-            edit(&[("sinks = [\"lake\"]", "sinks = [\"docs_db\", \"lake\"]")]),
-            &["projections.flat.sinks[0]", "sinks.docs_db"],
-        ),
-        (
-            "invalidations into postgres and tombstones, in the order of the sinks",
-            edit(&[
-                ("sinks = [\"cache\", \"discard\"]", "sinks = [\"docs_db\", \"cache\", \"discard\", \"lake\"]"),
-                ("url = \"redis://cache\"", "url = \"redis://cache\"\ncommand = \"tombstone\""),
-            ]),
-            &[
-                "projections.invalidate.sinks[0]",
-                "projections.invalidate.tables.public.books.version_column",
-                "projections.invalidate.sinks[3]",
-                "sinks.docs_db",
-                "sinks.lake",
-            ],
-        ),
+        // Routes a sink's kind cannot take are checked from the kinds' declarations, after
+        // these rules: see `refract::families`.
         (
             "tombstones with a second delete",
             edit(&[(
