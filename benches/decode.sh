@@ -34,4 +34,4 @@ sinks = ["null"]
 kind = "null"
 TOML
 
-exec python3 benches/decode.py "$target/release/refract" "$work" "$log" "$events"
+exec python3 benches/decode.py "${REFRACT_BIN:-$target/release/refract}" "$work" "$log" "$events"

@@ -26,7 +26,7 @@ work=$(mktemp -d)
 pgbench=$(command -v pgbench || ls /usr/lib/postgresql/*/bin/pgbench 2>/dev/null | sort -V | tail -1)
 [ -x "$pgbench" ] || { echo "pgbench not found (PATH or /usr/lib/postgresql/*/bin)" >&2; exit 1; }
 cargo build --release --locked -q -p refract
-refract=${CARGO_TARGET_DIR:-target}/release/refract
+refract=${REFRACT_BIN:-${CARGO_TARGET_DIR:-target}/release/refract}
 sql() { psql "$url" -X -v ON_ERROR_STOP=1 -Atqc "$1"; }
 sqlb() { psql "$pgbench_url" -X -v ON_ERROR_STOP=1 -Atqc "$1"; }
 cleanup() {
