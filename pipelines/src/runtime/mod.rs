@@ -21,7 +21,8 @@
 //! Where things are: `wiring` (the steps of a run, in order), `processor` (reading, projecting,
 //! bad input), `batch` (batch assembly and the rules that cut a batch), `checkpointing`
 //! (dispatch, batches in flight, the checkpointer), `delivery` (one task per target: retries,
-//! acknowledgements, buffering sinks), `keyed_state`, `status`, `summary`, `progress`.
+//! acknowledgements, buffering sinks), `keyed_state`, `status`, `summary`, `progress`. The
+//! contract above is unit-tested in `tests` with the in-memory source and sinks of `testing`.
 
 mod batch;
 mod checkpointing;
@@ -31,6 +32,10 @@ mod processor;
 mod progress;
 mod status;
 mod summary;
+#[cfg(test)]
+mod testing;
+#[cfg(test)]
+mod tests;
 mod wiring;
 
 use std::path::PathBuf;

@@ -84,7 +84,8 @@ impl Processor {
                     Some(ack) => self.on_ack(ack)?,
                     None => unreachable!("the processor holds the job senders"),
                 },
-                _ = shutdown.wait_for(|s| *s), if !stopping => {
+                // The borrowed value is dropped at once: the run's future stays `Send`.
+                _ = async { shutdown.wait_for(|s| *s).await.map(drop) }, if !stopping => {
                     tracing::info!("shutdown requested: draining and checkpointing");
                     stopping = true;
                     source.stop();
