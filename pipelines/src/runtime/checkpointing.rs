@@ -214,13 +214,18 @@ impl Processor {
     }
 }
 
-/// Commits checkpoints as they arrive; returns the last one committed.
+/// Commits checkpoints as they arrive, after `committed` (the one the run resumed from); returns
+/// the last one committed.
+///
+/// It starts from `committed`, not from the channel's value when the task first runs: a
+/// checkpoint sent before then is committed too.
 pub(super) async fn checkpointer(
     store: Arc<CheckpointStore>,
+    committed: Checkpoint,
     mut rx: watch::Receiver<Checkpoint>,
     durable: watch::Sender<Checkpoint>,
 ) -> Result<Checkpoint, CheckpointError> {
-    let mut last = rx.borrow().clone();
+    let mut last = committed;
     loop {
         let closed = rx.changed().await.is_err();
         let next = rx.borrow_and_update().clone();

@@ -196,6 +196,7 @@ pub(crate) async fn run_parts(
     let (durable_tx, durable_rx) = watch::channel(resumed.clone());
     let checkpointer = tokio::spawn(checkpointing::checkpointer(
         store.clone(),
+        resumed.clone(),
         cp_rx,
         durable_tx,
     ));

@@ -370,3 +370,22 @@ async fn a_buffering_sink_holds_the_checkpoint_until_it_reports_durable() {
     assert_eq!(summary.checkpoint, through(6));
     assert_eq!(history(&applied.lock().unwrap()), expected(&steps));
 }
+
+#[tokio::test]
+async fn a_checkpoint_sent_before_the_checkpointer_first_runs_is_committed() {
+    let pipeline = Pipeline::new(Settings::default());
+    let state = super::state_path(&pipeline.config);
+    std::fs::create_dir_all(&state).unwrap();
+    let path = state.join(crate::checkpoint::FILE);
+    let store = std::sync::Arc::new(crate::checkpoint::CheckpointStore::open(&path).unwrap());
+    let (tx, rx) = tokio::sync::watch::channel(through(0));
+    let (durable_tx, durable_rx) = tokio::sync::watch::channel(through(0));
+    tx.send_replace(through(5));
+    drop(tx);
+    let last = super::checkpointing::checkpointer(store, through(0), rx, durable_tx)
+        .await
+        .unwrap();
+    assert_eq!(last, through(5));
+    assert_eq!(*durable_rx.borrow(), through(5));
+    assert_eq!(pipeline.committed(), through(5));
+}
