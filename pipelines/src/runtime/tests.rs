@@ -97,9 +97,9 @@ async fn order_per_key_holds_within_and_across_batches_in_every_sink() {
 
     for applied in [applied_a, applied_b] {
         let applied = applied.lock().unwrap();
+        assert_eq!(history(&applied), expected(&steps));
         let seqs: Vec<u64> = applied.iter().map(|b| b.seq).collect();
         assert!(seqs.is_sorted(), "batches applied in order: {seqs:?}");
-        assert_eq!(history(&applied), expected(&steps));
     }
 }
 
