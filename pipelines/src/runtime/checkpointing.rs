@@ -1,0 +1,246 @@
+//! From batches to checkpoints: the processor dispatches each batch to its targets (after saving
+//! the projection state the batch taught), tracks the batches in flight, and advances the
+//! checkpoint past the leading batches every target acknowledged; the checkpointer task commits
+//! it and tells the source which positions are durable.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+
+use refract_connectors::{SinkBatch, SinkError};
+use refract_schemas::{Checkpoint, Offset};
+use tokio::sync::watch;
+
+use super::RunError;
+use super::delivery::{Ack, Job};
+use super::processor::Processor;
+use crate::checkpoint::{CheckpointError, CheckpointStore};
+
+/// A dispatched batch waiting for its acknowledgements.
+struct Dispatched {
+    seq: u64,
+    end: BTreeMap<Arc<str>, Offset>,
+    pending: usize,
+}
+
+/// The batches in flight, oldest first, and the checkpoint the acknowledged ones make.
+pub(super) struct InFlight {
+    batches: VecDeque<Dispatched>,
+    next_seq: u64,
+    /// The end of the newest batch that every target acknowledged, and of all batches before it.
+    committed: Checkpoint,
+    /// To the checkpointer.
+    cp_tx: watch::Sender<Checkpoint>,
+}
+
+impl InFlight {
+    /// Nothing in flight; the checkpoint is `resumed`.
+    pub(super) fn new(resumed: Checkpoint, cp_tx: watch::Sender<Checkpoint>) -> Self {
+        Self {
+            batches: VecDeque::new(),
+            next_seq: 0,
+            committed: resumed,
+            cp_tx,
+        }
+    }
+
+    /// Whether every dispatched batch was acknowledged.
+    pub(super) fn is_empty(&self) -> bool {
+        self.batches.is_empty()
+    }
+
+    /// Numbers the next batch (strictly increasing, from 1).
+    fn next_seq(&mut self) -> u64 {
+        self.next_seq += 1;
+        self.next_seq
+    }
+
+    /// Records batch `seq`, ending at `end`, as sent to `pending` targets.
+    fn dispatched(&mut self, seq: u64, end: BTreeMap<Arc<str>, Offset>, pending: usize) {
+        self.batches.push_back(Dispatched { seq, end, pending });
+    }
+
+    /// One target acknowledged batch `seq`.
+    fn acknowledged(&mut self, seq: u64) {
+        let entry = self
+            .batches
+            .iter_mut()
+            .find(|f| f.seq == seq)
+            .expect("ack for a dispatched batch");
+        entry.pending -= 1;
+        self.complete_ready();
+    }
+
+    /// Advances the checkpoint past every leading batch that all its targets acknowledged.
+    fn complete_ready(&mut self) {
+        let mut advanced = false;
+        while self.batches.front().is_some_and(|f| f.pending == 0) {
+            let done = self.batches.pop_front().expect("front exists");
+            for (partition, offset) in done.end {
+                self.committed.insert(partition.to_string(), offset);
+            }
+            advanced = true;
+        }
+        if advanced {
+            let _ = self.cp_tx.send(self.committed.clone());
+        }
+    }
+}
+
+impl Processor {
+    /// Sends the current batch to its targets.
+    pub(super) async fn dispatch(&mut self) -> Result<(), RunError> {
+        // Changes outside marked transactions (a snapshot, a Kafka topic without transaction
+        // metadata) take effect at the batch's end, together.
+        if !self.in_transaction {
+            if let Some(position) = self.last_position.take() {
+                self.end_transaction(&position)?;
+            }
+        }
+        if self.batch.is_empty() {
+            self.batch.started = None;
+            return Ok(());
+        }
+        let next = self.batch.successor();
+        let batch = std::mem::replace(&mut self.batch, next);
+        self.save_state(&batch.end).await?;
+        let seq = self.inflight.next_seq();
+        let mut jobs: Vec<(usize, Job)> = Vec::new();
+        for (target, ops) in batch.ops.into_iter().enumerate() {
+            if !ops.is_empty() {
+                jobs.push((target, Job::Ops(SinkBatch { seq, ops })));
+            }
+        }
+        if !batch.letters.is_empty() {
+            jobs.push((
+                self.dead_letter_target,
+                Job::Letters {
+                    seq,
+                    letters: batch.letters,
+                },
+            ));
+        }
+        self.inflight.dispatched(seq, batch.end, jobs.len());
+        for (target, job) in jobs {
+            if self.job_txs[target].send(job).await.is_err() {
+                // The target's task ended: its failure is waiting in the ack channel.
+                return Err(self.first_failure().await);
+            }
+        }
+        self.inflight.complete_ready();
+        Ok(())
+    }
+
+    /// Saves what the projections learned from a batch ending at `end`, before any of the batch
+    /// is written: their state is then never older than the checkpoint (see
+    /// `Projection::take_state`). So is the keyed state, with the undo records that roll it
+    /// back to the checkpoint.
+    async fn save_state(&mut self, end: &BTreeMap<Arc<str>, Offset>) -> Result<(), RunError> {
+        for route in &mut self.routes {
+            if let Some(state) = route.projection.take_state() {
+                let store = self.store.clone();
+                let name = route.name.clone();
+                tokio::task::spawn_blocking(move || store.save_state(&name, &state))
+                    .await
+                    .expect("state save task")?;
+            }
+        }
+        if let Some(keyed) = &self.keyed {
+            let keyed = keyed.clone();
+            let end = end.iter().map(|(p, o)| (p.to_string(), *o)).collect();
+            let durable = self.durable.borrow().clone();
+            tokio::task::spawn_blocking(move || keyed.commit(end, &durable))
+                .await
+                .expect("state commit task")?;
+        }
+        Ok(())
+    }
+
+    /// Handles a delivery task's report.
+    pub(super) fn on_ack(&mut self, ack: Ack) -> Result<(), RunError> {
+        match ack {
+            Ack::Done {
+                target,
+                seq,
+                report,
+            } => {
+                if target != self.dead_letter_target {
+                    self.summary.add_report(target, report);
+                }
+                self.inflight.acknowledged(seq);
+                Ok(())
+            }
+            Ack::Failed {
+                error,
+                shutdown: true,
+            } => Err(RunError::Interrupted(error)),
+            Ack::Failed { error, .. } => Err(RunError::Sink(error)),
+            Ack::Notice(notice) => {
+                self.summary.notices.push(notice);
+                Ok(())
+            }
+        }
+    }
+
+    /// Waits until every dispatched batch is acknowledged (buffering sinks are told to flush).
+    pub(super) async fn drain(&mut self) -> Result<(), RunError> {
+        if !self.inflight.is_empty() {
+            for tx in &self.job_txs {
+                if tx.send(Job::Flush).await.is_err() {
+                    return Err(self.first_failure().await);
+                }
+            }
+        }
+        while !self.inflight.is_empty() {
+            match self.ack_rx.recv().await {
+                Some(ack) => self.on_ack(ack)?,
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// The failure a delivery task reported before it ended.
+    async fn first_failure(&mut self) -> RunError {
+        while let Some(ack) = self.ack_rx.recv().await {
+            if let Err(e) = self.on_ack(ack) {
+                return e;
+            }
+        }
+        RunError::Sink(SinkError::Permanent {
+            sink: "?".into(),
+            message: "a sink task ended unexpectedly".into(),
+            source: None,
+        })
+    }
+}
+
+/// Commits checkpoints as they arrive, after `committed` (the one the run resumed from); returns
+/// the last one committed.
+///
+/// It starts from `committed`, not from the channel's value when the task first runs: a
+/// checkpoint sent before then is committed too.
+pub(super) async fn checkpointer(
+    store: Arc<CheckpointStore>,
+    committed: Checkpoint,
+    mut rx: watch::Receiver<Checkpoint>,
+    durable: watch::Sender<Checkpoint>,
+) -> Result<Checkpoint, CheckpointError> {
+    let mut last = committed;
+    loop {
+        let closed = rx.changed().await.is_err();
+        let next = rx.borrow_and_update().clone();
+        if next != last {
+            let s = store.clone();
+            let cp = next.clone();
+            tokio::task::spawn_blocking(move || s.commit(&cp))
+                .await
+                .expect("checkpoint commit task")?;
+            tracing::debug!(checkpoint = ?next, "checkpoint committed");
+            last = next.clone();
+            let _ = durable.send(next);
+        }
+        if closed {
+            return Ok(last);
+        }
+    }
+}

@@ -1,0 +1,316 @@
+//! The processor: the one task that reads the source, decodes and projects each item into the
+//! batch being assembled, sets bad input aside (dead letters, or a stop), and dispatches batches
+//! when they are full, due, or the source ends a unit of work. One processor keeps the order per
+//! key; dispatching and acknowledgements are in [`super::checkpointing`].
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use refract_connectors::dead_letter::{DeadLetter, Stage};
+use refract_connectors::{Source, SourceItem};
+use refract_projections::{Projection, ProjectionError, WriteOp};
+use refract_schemas::config::OnError;
+use refract_schemas::event::TxStatus;
+use refract_schemas::{ChangeEvent, Checkpoint, Position, Record};
+use tokio::sync::{mpsc, watch};
+
+use super::batch::{Batch, BatchLimits, route_ops};
+use super::checkpointing::InFlight;
+use super::delivery::{Ack, Job};
+use super::keyed_state::KeyedState;
+use super::progress::Progress;
+use super::{PROGRESS_INTERVAL, RunError, RunSummary};
+use crate::checkpoint::CheckpointStore;
+
+/// One projection and the indexes of the sinks it writes to.
+pub(super) struct Route {
+    /// The projection's name in the pipeline file.
+    pub(super) name: String,
+    /// The projection.
+    pub(super) projection: Box<dyn Projection>,
+    /// Indexes of its sinks among the run's sinks.
+    pub(super) sinks: Vec<usize>,
+}
+
+/// The processor: turns source items into batches and batches into acknowledged checkpoints.
+pub(super) struct Processor {
+    /// Where projection state is saved (the checkpoint store).
+    pub(super) store: Arc<CheckpointStore>,
+    pub(super) on_error: OnError,
+    pub(super) limits: BatchLimits,
+    pub(super) routes: Vec<Route>,
+    pub(super) batch: Batch,
+    /// To the delivery tasks: the sinks in order, then the dead-letter store.
+    pub(super) job_txs: Vec<mpsc::Sender<Job>>,
+    pub(super) dead_letter_target: usize,
+    pub(super) ack_rx: mpsc::UnboundedReceiver<Ack>,
+    /// Dispatched batches and the checkpoint they make.
+    pub(super) inflight: InFlight,
+    pub(super) in_transaction: bool,
+    /// The projections' keyed state, made durable with each batch.
+    pub(super) keyed: Option<KeyedState>,
+    /// The durable checkpoint (undo records of the keyed state before it are dropped).
+    pub(super) durable: watch::Receiver<Checkpoint>,
+    /// The position of the last change outside a marked transaction, whose effects are due at
+    /// the batch's end.
+    pub(super) last_position: Option<Position>,
+    pub(super) scratch: Vec<WriteOp>,
+    pub(super) summary: RunSummary,
+    /// Whether to draw a progress bar.
+    pub(super) draw_bar: bool,
+    /// `refract_records_read_total` (a no-op without `metrics_addr`).
+    pub(super) records_metric: metrics::Counter,
+    /// `refract_dead_letters_total`.
+    pub(super) dead_letters_metric: metrics::Counter,
+    /// A terminal progress bar, when asked for and the source knows its size.
+    pub(super) bar: Option<Progress>,
+}
+
+impl Processor {
+    /// Runs until the source ends or stops; returns whether the run ended because of a
+    /// shutdown request.
+    pub(super) async fn run(
+        &mut self,
+        source: &mut dyn Source,
+        mut shutdown: watch::Receiver<bool>,
+    ) -> Result<bool, RunError> {
+        let mut stopping = false;
+        let mut last_progress = Instant::now();
+        loop {
+            let deadline = self.limits.deadline(&self.batch);
+            tokio::select! {
+                biased;
+                ack = self.ack_rx.recv() => match ack {
+                    Some(ack) => self.on_ack(ack)?,
+                    None => unreachable!("the processor holds the job senders"),
+                },
+                // The borrowed value is dropped at once: the run's future stays `Send`.
+                _ = async { shutdown.wait_for(|s| *s).await.map(drop) }, if !stopping => {
+                    tracing::info!("shutdown requested: draining and checkpointing");
+                    stopping = true;
+                    source.stop();
+                }
+                _ = sleep_until(deadline) => self.dispatch().await?,
+                chunk = source.next_chunk() => match chunk? {
+                    Some(items) => self.handle_chunk(source, items).await?,
+                    None => break,
+                },
+            }
+            self.report_progress(source, &mut last_progress);
+        }
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
+        self.dispatch().await?;
+        self.drain().await?;
+        Ok(stopping)
+    }
+
+    /// Reads a chunk into batches, dispatching each that fills; gives the chunk back to the
+    /// source. Bad input that stops the run is returned once what came before it is durable.
+    async fn handle_chunk(
+        &mut self,
+        source: &mut dyn Source,
+        mut items: Vec<SourceItem>,
+    ) -> Result<(), RunError> {
+        let now = crate::runtime::now_ms();
+        // Items are handled in place (not moved out one by one: they are large), and the
+        // chunk goes back to the source to be freed.
+        for item in &mut items {
+            if let Err(e) = self.process(item, now) {
+                // What came before bad input is written; after a state failure nothing more
+                // is (the batch is replayed).
+                if !matches!(
+                    e,
+                    RunError::ProjectionState { .. } | RunError::KeyedState(_)
+                ) {
+                    self.dispatch().await?;
+                }
+                self.drain().await?;
+                return Err(e);
+            }
+            if self.limits.is_full(&self.batch, self.in_transaction) {
+                self.dispatch().await?;
+            }
+        }
+        if source.ends_batch() {
+            self.dispatch().await?;
+        }
+        source.recycle(items);
+        Ok(())
+    }
+
+    /// Updates the progress bar, and logs progress every [`PROGRESS_INTERVAL`].
+    fn report_progress(&mut self, source: &dyn Source, last_progress: &mut Instant) {
+        if let Some((done, total)) = source.progress() {
+            self.bar
+                .get_or_insert_with(|| Progress::new(self.draw_bar, done, total))
+                .update(done, total);
+        }
+        if last_progress.elapsed() >= PROGRESS_INTERVAL {
+            *last_progress = Instant::now();
+            let progress = source.progress();
+            let rate = match (&self.bar, progress) {
+                (Some(bar), Some((done, total))) => Some(bar.rate(done, total)),
+                _ => None,
+            };
+            self.summary.log_progress(progress, rate);
+        }
+    }
+
+    /// Handles one source item: projects it, or records it as bad input (taking its raw bytes
+    /// and reason).
+    fn process(&mut self, item: &mut SourceItem, now: i64) -> Result<(), RunError> {
+        let SourceItem { record, raw } = item;
+        self.summary.records += 1;
+        self.records_metric.increment(1);
+        if self.batch.started.is_none() {
+            self.batch.started = Some(Instant::now());
+        }
+        self.batch.events += 1;
+        self.batch.bytes += raw.len();
+        let position = match record {
+            Err(e) => {
+                self.reject(DeadLetter {
+                    position: e.position.clone(),
+                    stage: Stage::Decode,
+                    reason: std::mem::take(&mut e.reason),
+                    table: None,
+                    raw: std::mem::take(raw),
+                })?;
+                &e.position
+            }
+            Ok(Record::Tombstone(p)) => {
+                self.summary.tombstones += 1;
+                &*p
+            }
+            Ok(Record::Transaction(t)) => {
+                self.summary.transactions += u64::from(t.status == TxStatus::End);
+                self.in_transaction = t.status == TxStatus::Begin;
+                if t.status == TxStatus::End {
+                    self.end_transaction(&t.position)?;
+                }
+                &t.position
+            }
+            Ok(Record::Change(event)) => {
+                self.summary.count_op(event.op);
+                if let Some((stage, reason)) = self.project(event, now)? {
+                    let table = Some(event.table.to_string());
+                    self.reject(DeadLetter {
+                        position: event.position.clone(),
+                        stage,
+                        reason,
+                        table,
+                        raw: std::mem::take(raw),
+                    })?;
+                }
+                &event.position
+            }
+        };
+        match self.batch.end.get_mut(&position.partition) {
+            Some(end) => *end = position.offset,
+            None => {
+                self.batch
+                    .end
+                    .insert(position.partition.clone(), position.offset);
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands a change to every projection that reads its table, routing their operations into
+    /// the batch; returns why the change is bad input, if it is (no projection reads it, or
+    /// one rejected it).
+    fn project(
+        &mut self,
+        event: &ChangeEvent,
+        now: i64,
+    ) -> Result<Option<(Stage, String)>, RunError> {
+        let mut read = false;
+        let mut rejection = None;
+        for route in &mut self.routes {
+            if !route.projection.reads(&event.table) {
+                continue;
+            }
+            read = true;
+            self.scratch.clear();
+            // Operations appended before an error are applied too: the projection did what it
+            // could, and the event goes to the dead letters for the rest.
+            let result = route.projection.project(event, now, &mut self.scratch);
+            route_ops(&mut self.batch.ops, &route.sinks, &mut self.scratch);
+            if let Err(ProjectionError::State(reason)) = &result {
+                return Err(RunError::ProjectionState {
+                    projection: route.name.clone(),
+                    reason: reason.clone(),
+                });
+            }
+            if let Err(e) = result {
+                rejection = Some((
+                    Stage::Projection,
+                    format!("projection `{}`: {e}", route.name),
+                ));
+            }
+        }
+        if !read {
+            rejection = Some((
+                Stage::Routing,
+                format!("no projection reads table `{}`", event.table),
+            ));
+        }
+        if self.keyed.is_some() && !self.in_transaction {
+            self.last_position = Some(event.position.clone());
+        }
+        Ok(rejection)
+    }
+
+    /// The end of a source transaction at `position`: projections emit what they buffered
+    /// (documents the transaction touched).
+    pub(super) fn end_transaction(&mut self, position: &Position) -> Result<(), RunError> {
+        if self.keyed.is_none() {
+            return Ok(());
+        }
+        for route in &mut self.routes {
+            self.scratch.clear();
+            let result = route
+                .projection
+                .end_transaction(position, &mut self.scratch);
+            route_ops(&mut self.batch.ops, &route.sinks, &mut self.scratch);
+            result.map_err(|e| RunError::ProjectionState {
+                projection: route.name.clone(),
+                reason: e.to_string(),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Bad input: into the batch's dead letters, or the error that stops the run
+    /// (`on_error`).
+    fn reject(&mut self, letter: DeadLetter) -> Result<(), RunError> {
+        match self.on_error {
+            OnError::DeadLetter => {
+                tracing::warn!(position = %letter.position, stage = ?letter.stage, reason = %letter.reason, "dead-lettering bad input");
+                self.summary.dead_letters += 1;
+                self.dead_letters_metric.increment(1);
+                self.batch.letters.push(letter);
+                Ok(())
+            }
+            OnError::Stop => {
+                // The bad record itself is not part of the batch: its position is not checkpointed.
+                self.batch.events -= 1;
+                Err(RunError::BadInput {
+                    position: letter.position,
+                    stage: letter.stage,
+                    reason: letter.reason,
+                })
+            }
+        }
+    }
+}
+
+/// Waits until `deadline`, or forever without one.
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
