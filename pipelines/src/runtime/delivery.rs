@@ -189,7 +189,7 @@ pub(crate) async fn run(
 ) {
     let name = target.name();
     let reporter = Reporter {
-        healthy: metrics::gauge!("refract_sink_healthy", "sink" => name.clone()),
+        healthy: super::metrics::sink_healthy(&name),
         name: name.clone(),
         health,
     };

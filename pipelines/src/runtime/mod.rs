@@ -28,6 +28,7 @@ mod batch;
 mod checkpointing;
 mod delivery;
 pub mod keyed_state;
+mod metrics;
 mod processor;
 mod progress;
 mod status;

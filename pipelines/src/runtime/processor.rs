@@ -18,6 +18,7 @@ use super::batch::{Batch, BatchLimits, route_ops};
 use super::checkpointing::InFlight;
 use super::delivery::{Ack, Job};
 use super::keyed_state::KeyedState;
+use super::metrics::ProcessorMetrics;
 use super::progress::Progress;
 use super::{PROGRESS_INTERVAL, RunError, RunSummary};
 use crate::checkpoint::CheckpointStore;
@@ -58,10 +59,8 @@ pub(super) struct Processor {
     pub(super) summary: RunSummary,
     /// Whether to draw a progress bar.
     pub(super) draw_bar: bool,
-    /// `refract_records_read_total` (a no-op without `metrics_addr`).
-    pub(super) records_metric: metrics::Counter,
-    /// `refract_dead_letters_total`.
-    pub(super) dead_letters_metric: metrics::Counter,
+    /// The processor's metrics (no-ops without `metrics_addr`).
+    pub(super) metrics: ProcessorMetrics,
     /// A terminal progress bar, when asked for and the source knows its size.
     pub(super) bar: Option<Progress>,
 }
@@ -163,7 +162,7 @@ impl Processor {
     fn process(&mut self, item: &mut SourceItem, now: i64) -> Result<(), RunError> {
         let SourceItem { record, raw } = item;
         self.summary.records += 1;
-        self.records_metric.increment(1);
+        self.metrics.records_read.increment(1);
         if self.batch.started.is_none() {
             self.batch.started = Some(Instant::now());
         }
@@ -290,7 +289,7 @@ impl Processor {
             OnError::DeadLetter => {
                 tracing::warn!(position = %letter.position, stage = ?letter.stage, reason = %letter.reason, "dead-lettering bad input");
                 self.summary.dead_letters += 1;
-                self.dead_letters_metric.increment(1);
+                self.metrics.dead_letters.increment(1);
                 self.batch.letters.push(letter);
                 Ok(())
             }

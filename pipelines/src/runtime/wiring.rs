@@ -21,6 +21,7 @@ use super::batch::{Batch, BatchLimits};
 use super::checkpointing::InFlight;
 use super::delivery::{self, Ack, Job, Target};
 use super::keyed_state::KeyedState;
+use super::metrics::ProcessorMetrics;
 use super::processor::{Processor, Route};
 use super::{RunError, RunOptions, RunSummary, compact, default_dead_letter_path, state_path};
 use crate::checkpoint::{self, CheckpointStore};
@@ -361,8 +362,7 @@ pub(super) fn new_processor(
         summary: RunSummary::new(sink_names, dead_letter_location, resumed),
         draw_bar: options.progress_bar,
         bar: None,
-        records_metric: metrics::counter!("refract_records_read_total"),
-        dead_letters_metric: metrics::counter!("refract_dead_letters_total"),
+        metrics: ProcessorMetrics::new(),
     };
     for (name, sink) in &config.sinks {
         let location = match sink {
