@@ -1,14 +1,13 @@
 //! Sources and sinks: every byte refract reads or writes goes through this crate.
 //!
 //! [`registry`] is the one place that turns configuration into connectors: grep it to see every
-//! source and sink kind.
+//! source and sink kind, and the families of write operations each sink accepts ([`intake`]).
 
 pub mod dead_letter;
+pub mod intake;
 pub mod registry;
 pub mod sinks;
 pub mod sources;
-
-pub mod intake;
 
 use async_trait::async_trait;
 use refract_schemas::debezium::DecodeError;
