@@ -344,6 +344,29 @@ impl Reader {
         Ok(())
     }
 
+    /// Handles a data message that needs no catalog look-up (an insert, a delete, an update
+    /// without unchanged TOASTed values) at once, with no async step: nearly every message of a
+    /// backlog, and an async step per message costs the stream about 1% of its instructions
+    /// (callgrind). `false` for any other message, which [`Self::data`] handles.
+    pub(super) fn data_now(&mut self, data: &Bytes) -> bool {
+        let Ok(message) = pgoutput::decode(data, false) else {
+            return false;
+        };
+        match message {
+            Message::Insert { relation, new } => {
+                self.change(relation, Op::Create, None, Some(new), data)
+            }
+            Message::Update { relation, old, new } if !needs_refetch(&old, &new) => {
+                self.change(relation, Op::Update, old, Some(new), data)
+            }
+            Message::Delete { relation, old } => {
+                self.change(relation, Op::Delete, Some(old), None, data)
+            }
+            _ => return false,
+        }
+        true
+    }
+
     /// Handles one pgoutput data message.
     pub(super) async fn data(&mut self, data: Bytes) -> Result<(), SourceError> {
         let message = match pgoutput::decode(&data, false) {
@@ -395,8 +418,7 @@ impl Reader {
                 old,
                 mut new,
             } => {
-                let full_old = old.as_ref().is_some_and(|(k, _)| *k == OldKind::Full);
-                if !full_old && new.iter().any(|d| matches!(d, Datum::UnchangedToast)) {
+                if needs_refetch(&old, &new) {
                     self.refetch_toasted(relation, &mut new).await?;
                 }
                 self.change(relation, Op::Update, old, Some(new), &data)
@@ -825,4 +847,11 @@ mod tests {
         assert!(fields.is_empty());
         assert!(fields.capacity() >= 8);
     }
+}
+
+/// Whether an update's new row has unchanged TOASTed values its old row does not hold, which
+/// must be read again from the table.
+fn needs_refetch(old: &Option<(OldKind, pgoutput::Tuple)>, new: &[Datum]) -> bool {
+    let full_old = old.as_ref().is_some_and(|(k, _)| *k == OldKind::Full);
+    !full_old && new.iter().any(|d| matches!(d, Datum::UnchangedToast))
 }
