@@ -282,7 +282,10 @@ impl RedisSink {
         }
     }
 
-    /// Sends `steps` where the sink writes: Redis, or the fallback file.
+    /// Sends `steps` where the sink writes: Redis, or the fallback file. The target is taken
+    /// out while it is used and put back after; the runtime awaits every write to its end, and
+    /// were one dropped halfway, the next write would fail loudly (not opened), never send
+    /// elsewhere.
     async fn send(&mut self, steps: &[Step<'_>]) -> Result<(), SinkError> {
         match self.target.take() {
             Some(Target::File {
