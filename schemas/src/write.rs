@@ -127,23 +127,6 @@ impl DocumentOp {
             | DocumentOp::Truncate { position, .. } => position,
         }
     }
-
-    /// The collection the operation concerns.
-    pub fn collection(&self) -> &Arc<str> {
-        match self {
-            DocumentOp::Upsert { collection, .. }
-            | DocumentOp::Delete { collection, .. }
-            | DocumentOp::Truncate { collection, .. } => collection,
-        }
-    }
-
-    /// The document's key; `None` for a truncate, which concerns the whole collection.
-    pub fn key(&self) -> Option<&str> {
-        match self {
-            DocumentOp::Upsert { key, .. } | DocumentOp::Delete { key, .. } => Some(key),
-            DocumentOp::Truncate { .. } => None,
-        }
-    }
 }
 
 /// Make the cache entry `key` (an absolute key, no collection) stale: delete it, or replace it

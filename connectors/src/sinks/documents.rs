@@ -49,6 +49,13 @@ impl<'a> Keyed<'a> {
             Keyed::Upsert { key, .. } | Keyed::Delete { key, .. } => key,
         }
     }
+
+    /// Position of the change that produced the operation.
+    pub(crate) fn position(&self) -> &'a Position {
+        match *self {
+            Keyed::Upsert { position, .. } | Keyed::Delete { position, .. } => position,
+        }
+    }
 }
 
 /// A truncate of a collection.

@@ -257,12 +257,7 @@ fn upsert_statement(table: &str, chunk: &[Keyed<'_>]) -> (String, Vec<Vec<String
 fn delete_statement(table: &str, deletes: &[Keyed<'_>]) -> (String, Vec<Vec<String>>) {
     let (ids, positions) = deletes
         .iter()
-        .map(|op| {
-            let position = match op {
-                Keyed::Upsert { position, .. } | Keyed::Delete { position, .. } => position,
-            };
-            (op.key().to_owned(), position.offset.sortable())
-        })
+        .map(|op| (op.key().to_owned(), op.position().offset.sortable()))
         .unzip();
     (
         format!(
