@@ -12,6 +12,7 @@ use crate::sinks::parquet::ParquetSink;
 use crate::sinks::postgres::PostgresSink;
 use crate::sinks::redis::RedisSink;
 use crate::sources::file::FileSource;
+use crate::sources::kafka::KafkaSource;
 use crate::sources::postgres::source::PostgresSource;
 use crate::{BuiltSink, DEFAULT_UNHEALTHY_AFTER, Source, SourceContext};
 
@@ -20,6 +21,7 @@ pub fn build_source(config: &SourceConfig, context: SourceContext) -> Box<dyn So
     match config {
         SourceConfig::File(c) => Box::new(FileSource::new(c.clone())),
         SourceConfig::Postgres(c) => Box::new(PostgresSource::new(c.clone(), context)),
+        SourceConfig::Kafka(c) => Box::new(KafkaSource::new(c.clone(), context)),
     }
 }
 

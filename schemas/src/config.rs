@@ -11,6 +11,7 @@
 //! the environment contract's `./state` and `./out`).
 
 pub mod interpolate;
+mod kafka;
 mod load;
 mod validate;
 
@@ -19,6 +20,10 @@ use std::collections::BTreeMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+pub use kafka::{
+    KAFKA_SOURCE_RESERVED, KafkaFormat, KafkaSourceConfig, KafkaStart, SchemaRegistryConfig,
+    is_secret_property,
+};
 pub use load::{ConfigError, ConfigErrors, LoadedPipeline, load, load_str};
 pub use validate::mask_url;
 pub use validate::routes::Families;
@@ -160,6 +165,8 @@ pub enum SourceConfig {
     File(FileSourceConfig),
     /// PostgreSQL logical replication (pgoutput).
     Postgres(PostgresSourceConfig),
+    /// Debezium change events from Kafka topics, read by a consumer group.
+    Kafka(KafkaSourceConfig),
 }
 
 /// `kind = "postgres"`: reads committed changes from a logical replication slot.

@@ -301,6 +301,13 @@ impl DebeziumDecoder {
         build(raw.envelope, None, position, &mut self.names)
     }
 
+    /// Decodes a record key (a Kafka message key): a JSON object of the key columns, bare or
+    /// wrapped with its schema (whose logical types are honoured); `None` for a JSON `null`.
+    pub fn decode_key_bytes(&mut self, bytes: &[u8]) -> Result<Option<Row>, String> {
+        let raw: &RawValue = serde_json::from_slice(bytes).map_err(|e| json_reason(&e))?;
+        self.decode_key(raw)
+    }
+
     fn decode_key(&mut self, key: &RawValue) -> Result<Option<Row>, String> {
         let value: Value = parse(key.get(), "`key`")?;
         let Value::Object(mut obj) = value else {

@@ -30,6 +30,7 @@ impl PipelineFile {
         pipeline_settings(&mut problem, &self.pipeline);
         dead_letter(&mut problem, &self.pipeline.dead_letter);
         source::validate(&mut problem, &self.source);
+        source::kafka_projections(&mut problem, self);
         projections::validate(&mut problem, self);
         sinks::validate(&mut problem, self);
         problems

@@ -1,13 +1,17 @@
 //! The rules of the `[source]` section, one function per kind of source.
 
 use super::{mask_url, range};
-use crate::config::{FileSourceConfig, PostgresSourceConfig, SourceConfig};
+use crate::config::{
+    FileSourceConfig, KAFKA_SOURCE_RESERVED, KafkaFormat, KafkaSourceConfig, PipelineFile,
+    PostgresSourceConfig, ProjectionConfig, SourceConfig,
+};
 
 /// Checks the source against its kind's rules.
 pub(super) fn validate(problem: &mut impl FnMut(&str, String), source: &SourceConfig) {
     match source {
         SourceConfig::File(f) => file(problem, f),
         SourceConfig::Postgres(pg) => postgres(problem, pg),
+        SourceConfig::Kafka(k) => kafka(problem, k),
     }
 }
 
@@ -72,5 +76,75 @@ fn postgres(problem: &mut impl FnMut(&str, String), pg: &PostgresSourceConfig) {
             "source.chunk_rows",
             format!("{} is outside 100 to 100,000", pg.chunk_rows),
         );
+    }
+}
+
+/// `kind = "kafka"`: brokers and topics given, a group name Kafka accepts, a registry for Avro,
+/// and no pass-through setting that would undo what the source's guarantees rest on.
+fn kafka(problem: &mut impl FnMut(&str, String), k: &KafkaSourceConfig) {
+    if k.brokers.trim().is_empty() {
+        problem(
+            "source.brokers",
+            "must name at least one `host:port`".into(),
+        );
+    }
+    if k.topics.is_empty() {
+        problem("source.topics", "must name at least one topic".into());
+    }
+    for (i, t) in k.topics.iter().enumerate() {
+        if t.is_empty() || (!t.starts_with('^') && t.contains([' ', ',', '/'])) {
+            problem(
+                &format!("source.topics[{i}]"),
+                format!("`{t}` is not a topic name (or a regular expression starting with `^`)"),
+            );
+        }
+    }
+    if let Some(g) = &k.group_id {
+        if g.is_empty() || g.len() > 249 {
+            problem("source.group_id", "must be 1 to 249 characters".into());
+        }
+    }
+    match (&k.format, &k.schema_registry) {
+        (KafkaFormat::DebeziumAvro, None) => problem(
+            "source.schema_registry",
+            "`format = \"debezium_avro\"` needs a schema registry (`url`, and `fallback_dir` for offline schemas)".into(),
+        ),
+        (_, Some(r)) if !(r.url.starts_with("http://") || r.url.starts_with("https://")) => {
+            problem(
+                "source.schema_registry.url",
+                format!("`{}` is not an http(s):// URL", mask_url(&r.url)),
+            )
+        }
+        _ => {}
+    }
+    for name in k.properties.keys() {
+        if KAFKA_SOURCE_RESERVED.contains(&name.as_str()) {
+            problem(
+                &format!("source.properties.\"{name}\""),
+                "is set by refract (offsets are committed only for what every sink made durable); use the source's own fields".into(),
+            );
+        }
+    }
+}
+
+/// A document projection over a Kafka source is refused: its state joins rows of several
+/// tables, which arrive on different topics and partitions. Partitions move between the
+/// members of a consumer group, so no process would hold all the rows a document is built
+/// from, and positions of different partitions are not ordered, so the sinks' position guard
+/// could not tell an older document from a newer one.
+pub(super) fn kafka_projections(problem: &mut impl FnMut(&str, String), file: &PipelineFile) {
+    if !matches!(file.source, SourceConfig::Kafka(_)) {
+        return;
+    }
+    for (name, projection) in &file.projections {
+        if matches!(projection, ProjectionConfig::Document(_)) {
+            problem(
+                &format!("projections.{name}"),
+                "a `document` projection cannot read a Kafka source: it joins rows of several topics, \
+                 whose partitions are shared out between processes and whose positions are not ordered \
+                 across partitions; read the primary store directly (`kind = \"postgres\"`)"
+                    .into(),
+            );
+        }
     }
 }
