@@ -776,3 +776,46 @@ objects = [{ name = "", items = [] }]"#,
         assert_eq!(found, *paths, "{name}");
     }
 }
+
+/// A Kafka source: its own rules, and the projections it cannot feed.
+#[test]
+fn kafka_source_rules_name_their_field() {
+    let kafka = |source: &str| {
+        format!(
+            "[pipeline]\nname = \"k\"\n\n[source]\nkind = \"kafka\"\nbrokers = \"b:9092\"\n{source}\n\n\
+             [projections.r]\nkind = \"replica\"\nsinks = [\"s\"]\n\n[sinks.s]\nkind = \"null\"\n"
+        )
+    };
+    assert_eq!(problems(&kafka("topics = [\"a.b.c\", \"^a\\\\..*\"]")), Vec::new());
+    let cases = [
+        ("topics = []", "source.topics", "at least one topic"),
+        ("topics = [\"a b\"]", "source.topics[0]", "is not a topic name"),
+        (
+            "topics = [\"t\"]\nformat = \"debezium_avro\"",
+            "source.schema_registry",
+            "needs a schema registry",
+        ),
+        (
+            "topics = [\"t\"]\nschema_registry = { url = \"ftp://r\" }",
+            "source.schema_registry.url",
+            "is not an http(s):// URL",
+        ),
+        (
+            "topics = [\"t\"]\nproperties = { \"enable.auto.commit\" = \"true\" }",
+            "source.properties.\"enable.auto.commit\"",
+            "is set by refract",
+        ),
+    ];
+    for (source, path, words) in cases {
+        let found = problems(&kafka(source));
+        assert_eq!(found.len(), 1, "{source}: {found:?}");
+        assert_eq!(found[0].0, path, "{source}");
+        assert!(found[0].1.contains(words), "{source}: {}", found[0].1);
+    }
+    // The document projection of the pipeline with every kind cannot read Kafka.
+    let documents = edit(&[(FILE_SOURCE, "kind = \"kafka\"\nbrokers = \"b\"\ntopics = [\"t\"]")]);
+    let found = problems(&documents);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].0, "projections.book_docs");
+    assert!(found[0].1.contains("cannot read a Kafka source"), "{}", found[0].1);
+}
