@@ -10,6 +10,7 @@ use std::process::{Command, Output};
 use serde_json::{Value, json};
 
 pub mod cache;
+pub mod kafka;
 pub mod parquet;
 
 /// Whether the suite runs in CI (`CI=true`), where the big data sizes shrink.

@@ -786,10 +786,17 @@ fn kafka_source_rules_name_their_field() {
              [projections.r]\nkind = \"replica\"\nsinks = [\"s\"]\n\n[sinks.s]\nkind = \"null\"\n"
         )
     };
-    assert_eq!(problems(&kafka("topics = [\"a.b.c\", \"^a\\\\..*\"]")), Vec::new());
+    assert_eq!(
+        problems(&kafka("topics = [\"a.b.c\", \"^a\\\\..*\"]")),
+        Vec::new()
+    );
     let cases = [
         ("topics = []", "source.topics", "at least one topic"),
-        ("topics = [\"a b\"]", "source.topics[0]", "is not a topic name"),
+        (
+            "topics = [\"a b\"]",
+            "source.topics[0]",
+            "is not a topic name",
+        ),
         (
             "topics = [\"t\"]\nformat = \"debezium_avro\"",
             "source.schema_registry",
@@ -813,9 +820,16 @@ fn kafka_source_rules_name_their_field() {
         assert!(found[0].1.contains(words), "{source}: {}", found[0].1);
     }
     // The document projection of the pipeline with every kind cannot read Kafka.
-    let documents = edit(&[(FILE_SOURCE, "kind = \"kafka\"\nbrokers = \"b\"\ntopics = [\"t\"]")]);
+    let documents = edit(&[(
+        FILE_SOURCE,
+        "kind = \"kafka\"\nbrokers = \"b\"\ntopics = [\"t\"]",
+    )]);
     let found = problems(&documents);
     assert_eq!(found.len(), 1, "{found:?}");
     assert_eq!(found[0].0, "projections.book_docs");
-    assert!(found[0].1.contains("cannot read a Kafka source"), "{}", found[0].1);
+    assert!(
+        found[0].1.contains("cannot read a Kafka source"),
+        "{}",
+        found[0].1
+    );
 }
