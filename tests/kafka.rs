@@ -7,8 +7,12 @@ mod common;
 
 use std::path::Path;
 
+use std::collections::BTreeMap;
+
 use common::kafka::{self, Message};
+use common::registry::TestRegistry;
 use common::{read_output, refract};
+use refract_schemas::avro::{connect_to_avro, encode_confluent};
 use serde_json::{Value, json};
 
 const PARTITIONS: i32 = 6;
@@ -251,6 +255,117 @@ fn json_topics_give_the_file_sources_read_model_value_for_value() {
         changes.len(),
         "every offset committed once durable"
     );
+}
+
+/// The changes as Debezium's AvroConverter writes them: Confluent-framed Avro key and value,
+/// their schemas registered in `registry`. Returns the messages and the value schema's id.
+fn avro_messages(changes: &[Change], registry: &TestRegistry) -> (Vec<Message>, u32) {
+    let mut ids: BTreeMap<String, u32> = BTreeMap::new();
+    let mut encode = |connect: &Value| {
+        let (schema, value) = connect_to_avro(&connect["schema"], &connect["payload"]).unwrap();
+        let text = serde_json::to_string(&schema).unwrap();
+        let id = *ids
+            .entry(text.clone())
+            .or_insert_with(|| registry.insert(&text));
+        (encode_confluent(id, &schema, value).unwrap(), id)
+    };
+    let mut value_id = 0;
+    let messages = changes
+        .iter()
+        .map(|c| {
+            let key = encode(&c.key).0;
+            let value = c.value.as_ref().map(|v| {
+                let (bytes, id) = encode(v);
+                value_id = id;
+                bytes
+            });
+            (Some(key), value)
+        })
+        .collect();
+    (messages, value_id)
+}
+
+fn avro_source(brokers: &str, topic: &str, group: &str, registry: &TestRegistry) -> String {
+    kafka_source(
+        brokers,
+        topic,
+        group,
+        &format!(
+            "format = \"debezium_avro\"\nschema_registry = {{ url = \"{}\" }}",
+            registry.url
+        ),
+    )
+}
+
+#[test]
+fn avro_topics_give_the_file_sources_read_model_value_for_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let changes = changes();
+    let log = dir.path().join("changes.jsonl");
+    std::fs::write(&log, change_log(&changes)).unwrap();
+    let from_file = dir.path().join("from-file");
+    catch_up(&pipeline(
+        dir.path(),
+        "file",
+        &format!("kind = \"file\"\npath = \"{}\"\nfollow = false", log.display()),
+        &from_file,
+    ));
+    let expected = read_output(&from_file);
+
+    let topic = "db.public.prices";
+    let cluster = kafka::cluster(&[topic], PARTITIONS);
+    let brokers = cluster.bootstrap_servers();
+    let registry = TestRegistry::start();
+    kafka::produce(&brokers, topic, &avro_messages(&changes, &registry).0);
+    let from_avro = dir.path().join("from-avro");
+    catch_up(&pipeline(
+        dir.path(),
+        "avro",
+        &avro_source(&brokers, topic, "avro-equal", &registry),
+        &from_avro,
+    ));
+    assert_eq!(read_output(&from_avro), expected, "Debezium Avro from Kafka");
+}
+
+#[test]
+fn bad_avro_records_are_dead_lettered_and_the_rest_applied() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = "db.public.prices";
+    let cluster = kafka::cluster(&[topic], 1);
+    let brokers = cluster.bootstrap_servers();
+    let registry = TestRegistry::start();
+    let all = changes();
+    let (good, value_id) = avro_messages(&all[..10], &registry);
+    let key = good[0].0.clone();
+    let mut unknown = vec![0u8];
+    unknown.extend_from_slice(&9_999u32.to_be_bytes());
+    unknown.extend_from_slice(b"\x02\x04");
+    let mut corrupt = vec![0u8];
+    corrupt.extend_from_slice(&value_id.to_be_bytes());
+    corrupt.extend_from_slice(&[0xff; 7]);
+    let mut messages = good[..5].to_vec();
+    messages.push((key.clone(), Some(b"{\"not\":\"avro\"}".to_vec())));
+    messages.push((key.clone(), Some(unknown)));
+    messages.push((key, Some(corrupt)));
+    messages.extend_from_slice(&good[5..]);
+    kafka::produce(&brokers, topic, &messages);
+    let out = dir.path().join("out");
+    let pipeline = pipeline(
+        dir.path(),
+        "badavro",
+        &avro_source(&brokers, topic, "bad-avro", &registry),
+        &out,
+    );
+    catch_up(&pipeline);
+    assert_eq!(read_output(&out).len(), 10, "the good records around the bad ones are applied");
+    let letters = dead_letters(&dir.path().join("state-badavro/badavro/dead-letters.ndjson"));
+    assert_eq!(letters.len(), 3, "{letters:?}");
+    let reasons: Vec<&str> = letters.iter().map(|l| l["reason"].as_str().unwrap_or("")).collect();
+    assert!(reasons[1].contains("9999"), "the unknown schema id is named: {reasons:?}");
+    for (letter, offset) in letters.iter().zip([5, 6, 7]) {
+        assert_eq!(letter["position"]["partition"], json!(format!("{topic}/0")), "{letter}");
+        assert_eq!(letter["position"]["offset"], json!([offset, 0]), "{letter}");
+    }
 }
 
 #[test]

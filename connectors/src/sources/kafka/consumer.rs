@@ -307,7 +307,11 @@ impl ConsumerThread {
         let config = setup.config;
         let decoder = match config.format {
             KafkaFormat::DebeziumJson => MessageDecoder::new(Box::new(JsonValues::default())),
-            KafkaFormat::DebeziumAvro => MessageDecoder::new(super::avro_values(config)?),
+            KafkaFormat::DebeziumAvro => MessageDecoder::new(super::avro_values(
+                config,
+                setup.handle.clone(),
+                setup.stop.clone(),
+            )?),
         };
         let context = Context {
             tracker: Mutex::new(Tracker {
