@@ -6,6 +6,7 @@
 //! Nothing here does IO beyond reading a pipeline file; sources, projections and sinks all speak
 //! these types.
 
+pub mod avro;
 pub mod config;
 pub mod debezium;
 pub mod event;
