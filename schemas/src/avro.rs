@@ -191,17 +191,16 @@ impl AvroDecoder {
                 compiled
             }
         };
-        match to_json(avro) {
-            Value::Null => Ok(None),
-            Value::Object(map) => {
-                let mut row = Row::from(map);
-                converter
-                    .convert(&mut row)
-                    .map_err(|e| format!("key: {e}"))?;
-                Ok(Some(row))
-            }
-            _ => Err("`key` is not a JSON object".into()),
-        }
+        // A key that is not a record (Debezium's are) gives no key image, as a JsonConverter
+        // key with a schema does in the JSON codec.
+        let Value::Object(map) = to_json(avro) else {
+            return Ok(None);
+        };
+        let mut row = Row::from(map);
+        converter
+            .convert(&mut row)
+            .map_err(|e| format!("key: {e}"))?;
+        Ok(Some(row))
     }
 
     fn value(
