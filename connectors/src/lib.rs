@@ -6,6 +6,7 @@
 pub mod dead_letter;
 pub mod intake;
 pub mod registry;
+pub mod schema_registry;
 pub mod sinks;
 pub mod sources;
 

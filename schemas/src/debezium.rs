@@ -55,7 +55,7 @@ pub struct DebeziumDecoder {
 /// Shares the strings every event of a table repeats (schema, table, connector, db), so an event
 /// costs no allocation for them.
 #[derive(Default)]
-struct Interner {
+pub(crate) struct Interner {
     strings: HashMap<Box<str>, Arc<str>>,
     tables: HashMap<(Arc<str>, Arc<str>), TableId>,
     /// The last table returned: consecutive events of one table skip the hashing.
@@ -72,7 +72,7 @@ const RECENT_NAMES: usize = 4;
 const INTERNER_CAPACITY: usize = 4096;
 
 impl Interner {
-    fn string(&mut self, s: &str) -> Arc<str> {
+    pub(crate) fn string(&mut self, s: &str) -> Arc<str> {
         // A few names (connector, database, schema) repeat on every event: a short scan of the
         // recent ones is cheaper than hashing.
         if let Some(a) = self.recent.iter().find(|a| ***a == *s) {
@@ -102,7 +102,7 @@ impl Interner {
         self.recent.push(a.clone());
     }
 
-    fn table(&mut self, schema: &str, name: &str) -> TableId {
+    pub(crate) fn table(&mut self, schema: &str, name: &str) -> TableId {
         if let Some(t) = &self.last_table {
             if *t.schema == *schema && *t.name == *name {
                 return t.clone();
@@ -143,7 +143,7 @@ struct RawRecord<'a> {
 /// shape is parsed straight into this flat struct by simd-json; the `wrapped` flags tell when a
 /// record needs the general path instead.
 #[derive(Deserialize, Default)]
-struct Envelope<'a> {
+pub(crate) struct Envelope<'a> {
     #[serde(default)]
     before: Option<Row>,
     #[serde(default)]
@@ -357,7 +357,7 @@ fn parse_borrowed<'a, T: Deserialize<'a>>(text: &'a str, what: &str) -> Result<T
 }
 
 /// Turns a serde_json error into a sentence that says whether the record was cut short.
-fn json_reason(e: &serde_json::Error) -> String {
+pub(crate) fn json_reason(e: &serde_json::Error) -> String {
     if e.is_eof() {
         format!("truncated JSON (input ends early): {e}")
     } else if e.is_syntax() {
@@ -368,7 +368,7 @@ fn json_reason(e: &serde_json::Error) -> String {
 }
 
 /// Builds a [`Record`] from envelope fields, converting logical types when a schema is known.
-fn build(
+pub(crate) fn build(
     env: Envelope<'_>,
     schema: Option<&EnvelopeSchema>,
     position: &Position,

@@ -1,4 +1,4 @@
-//! refract's shared vocabulary: the change-event model, the Debezium JSON codec and the
+//! refract's shared vocabulary: the change-event model, the Debezium JSON and Avro codecs and the
 //! pipeline-file configuration (types, loading with located errors, validation, JSON Schema)
 //! the key templates cache keys are written in, the field paths flat tables are declared with, and
 //! the write operations projections hand to sinks.
@@ -6,6 +6,7 @@
 //! Nothing here does IO beyond reading a pipeline file; sources, projections and sinks all speak
 //! these types.
 
+pub mod avro;
 pub mod config;
 pub mod debezium;
 pub mod event;

@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 pub mod cache;
 pub mod kafka;
 pub mod parquet;
+pub mod registry;
 
 /// Whether the suite runs in CI (`CI=true`), where the big data sizes shrink.
 pub fn in_ci() -> bool {
