@@ -307,7 +307,10 @@ fn avro_topics_give_the_file_sources_read_model_value_for_value() {
     catch_up(&pipeline(
         dir.path(),
         "file",
-        &format!("kind = \"file\"\npath = \"{}\"\nfollow = false", log.display()),
+        &format!(
+            "kind = \"file\"\npath = \"{}\"\nfollow = false",
+            log.display()
+        ),
         &from_file,
     ));
     let expected = read_output(&from_file);
@@ -324,7 +327,11 @@ fn avro_topics_give_the_file_sources_read_model_value_for_value() {
         &avro_source(&brokers, topic, "avro-equal", &registry),
         &from_avro,
     ));
-    assert_eq!(read_output(&from_avro), expected, "Debezium Avro from Kafka");
+    assert_eq!(
+        read_output(&from_avro),
+        expected,
+        "Debezium Avro from Kafka"
+    );
 }
 
 #[test]
@@ -357,13 +364,27 @@ fn bad_avro_records_are_dead_lettered_and_the_rest_applied() {
         &out,
     );
     catch_up(&pipeline);
-    assert_eq!(read_output(&out).len(), 10, "the good records around the bad ones are applied");
+    assert_eq!(
+        read_output(&out).len(),
+        10,
+        "the good records around the bad ones are applied"
+    );
     let letters = dead_letters(&dir.path().join("state-badavro/badavro/dead-letters.ndjson"));
     assert_eq!(letters.len(), 3, "{letters:?}");
-    let reasons: Vec<&str> = letters.iter().map(|l| l["reason"].as_str().unwrap_or("")).collect();
-    assert!(reasons[1].contains("9999"), "the unknown schema id is named: {reasons:?}");
+    let reasons: Vec<&str> = letters
+        .iter()
+        .map(|l| l["reason"].as_str().unwrap_or(""))
+        .collect();
+    assert!(
+        reasons[1].contains("9999"),
+        "the unknown schema id is named: {reasons:?}"
+    );
     for (letter, offset) in letters.iter().zip([5, 6, 7]) {
-        assert_eq!(letter["position"]["partition"], json!(format!("{topic}/0")), "{letter}");
+        assert_eq!(
+            letter["position"]["partition"],
+            json!(format!("{topic}/0")),
+            "{letter}"
+        );
         assert_eq!(letter["position"]["offset"], json!([offset, 0]), "{letter}");
     }
 }
@@ -424,4 +445,33 @@ fn dead_letters(path: &Path) -> Vec<Value> {
         .lines()
         .map(|l| serde_json::from_str(l).expect("a dead letter is JSON"))
         .collect()
+}
+
+#[test]
+fn plan_masks_kafka_secrets_and_explains_the_scale_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = kafka_source(
+        "broker:9092",
+        "db.public.prices",
+        "planned",
+        "format = \"debezium_avro\"\n\
+         schema_registry = { url = \"http://reg:8081\", username = \"u\", password = \"hunter2\" }\n\
+         properties = { \"security.protocol\" = \"SASL_SSL\", \"sasl.password\" = \"hunter3\" }",
+    );
+    let path = pipeline(dir.path(), "planned", &source, &dir.path().join("out"));
+    let out = refract()
+        .arg("plan")
+        .arg(&path)
+        .output()
+        .expect("refract runs");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        !text.contains("hunter2") && !text.contains("hunter3"),
+        "{text}"
+    );
+    assert!(text.contains("security.protocol = SASL_SSL"), "{text}");
+    assert!(text.contains("consumer group `planned`"), "{text}");
+    assert!(text.contains("scale-out"), "{text}");
 }

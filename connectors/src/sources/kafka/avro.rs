@@ -91,7 +91,9 @@ impl AvroValues {
                     self.schemas.insert(id, schema.clone());
                     return Ok(schema);
                 }
-                Err(e @ (RegistryError::UnknownSchema(_) | RegistryError::InvalidSchema { .. })) => {
+                Err(
+                    e @ (RegistryError::UnknownSchema(_) | RegistryError::InvalidSchema { .. }),
+                ) => {
                     return Err(e);
                 }
                 Err(e) if self.stop.load(Ordering::Relaxed) => return Err(e),
