@@ -22,6 +22,7 @@
 mod avro;
 mod consumer;
 mod decode;
+pub mod metrics;
 #[cfg(test)]
 mod tests;
 

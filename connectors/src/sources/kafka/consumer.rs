@@ -18,6 +18,7 @@ use refract_schemas::config::{KafkaFormat, KafkaSourceConfig, KafkaStart};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::decode::{JsonValues, Message, MessageDecoder};
+use super::metrics;
 use super::{CHUNK_MESSAGES, DRAIN_TIMEOUT, POLL_INTERVAL};
 use crate::{ReadMode, SourceError, SourceItem};
 
@@ -69,7 +70,11 @@ pub(super) struct Context {
     until_caught_up: bool,
 }
 
-impl ClientContext for Context {}
+impl ClientContext for Context {
+    fn stats(&self, statistics: rdkafka::statistics::Statistics) {
+        metrics::record_statistics(&statistics);
+    }
+}
 
 impl ConsumerContext for Context {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -123,6 +128,7 @@ impl Context {
         for n in names {
             tracker.owned.remove(n);
         }
+        metrics::rebalance("revoke", names.len());
         tracing::info!(partitions = ?names, "kafka partitions released");
     }
 
@@ -194,6 +200,7 @@ impl Context {
             // The offsets are committed again with the next checkpoint; until then a restart
             // reads a little more again.
             tracing::warn!(error = %e, "kafka offset commit failed");
+            metrics::commit_failed();
             let mut tracker = self.tracker();
             for e in tpl.elements() {
                 if let Some(o) = tracker
@@ -244,6 +251,7 @@ impl Context {
             ));
         }
         tracing::info!(partitions = ?owned.iter().map(|(n, _)| n).collect::<Vec<_>>(), "kafka partitions assigned");
+        metrics::rebalance("assign", owned.len());
         self.tracker().owned.extend(owned);
     }
 
@@ -449,10 +457,11 @@ fn io(message: String) -> SourceError {
     }
 }
 
-/// The consumer's settings: the pass-through properties first, then the ones refract's
-/// guarantees rest on (`validate` refuses them in `properties`).
+/// The consumer's settings: refract's defaults, the pass-through properties over them, then the
+/// ones refract's guarantees rest on (`validate` refuses them in `properties`).
 fn client_config(config: &KafkaSourceConfig, pipeline: &str) -> ClientConfig {
     let mut c = ClientConfig::new();
+    c.set("statistics.interval.ms", metrics::STATISTICS_INTERVAL_MS);
     for (k, v) in &config.properties {
         c.set(k, v);
     }
