@@ -107,7 +107,16 @@ fn load(rows: u64, rate: u32, seconds: u32) -> Running {
     )
     .unwrap();
     Command::new(pgbench())
-        .args(["-n", "-c", "2", "-R", &rate.to_string(), "-T", &seconds.to_string(), "-f"])
+        .args([
+            "-n",
+            "-c",
+            "2",
+            "-R",
+            &rate.to_string(),
+            "-T",
+            &seconds.to_string(),
+            "-f",
+        ])
         .arg(&script)
         .arg(url())
         .stdout(Stdio::null())
@@ -158,12 +167,20 @@ fn relay_killed_again_and_again_under_load_loses_nothing_downstream() {
     // The last relay run catches up with the table; then the reader drains the topic.
     catch_up(&relay);
     reader_daemon.terminate();
-    assert!(reader_daemon.child().wait().unwrap().success(), "the reader stops cleanly");
+    assert!(
+        reader_daemon.child().wait().unwrap().success(),
+        "the reader stops cleanly"
+    );
     catch_up(&reader);
     let expected = table_state();
     let actual = read_output(&out);
     let diff = common::diff(&expected, &actual);
-    assert!(diff.is_empty(), "{} differences, first: {:?}", diff.len(), &diff[..diff.len().min(5)]);
+    assert!(
+        diff.is_empty(),
+        "{} differences, first: {:?}",
+        diff.len(),
+        &diff[..diff.len().min(5)]
+    );
     eprintln!(
         "relay: {rows} rows snapshotted, {kills} SIGKILLs under load (load still running: {load_running}), \
          {live_documents} documents while it ran; {} rows equal downstream",

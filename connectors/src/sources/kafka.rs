@@ -58,6 +58,7 @@ pub struct KafkaSource {
     context: SourceContext,
     rx: Option<mpsc::Receiver<Result<Vec<SourceItem>, SourceError>>>,
     stop: Arc<AtomicBool>,
+    progress: Arc<consumer::Progress>,
     /// Tells the consumer thread the run's last checkpoint is written: commit it and leave.
     finish: Option<oneshot::Sender<()>>,
     done: Option<oneshot::Receiver<()>>,
@@ -71,6 +72,7 @@ impl KafkaSource {
             context,
             rx: None,
             stop: Arc::default(),
+            progress: Arc::default(),
             finish: None,
             done: None,
         }
@@ -96,6 +98,7 @@ impl Source for KafkaSource {
             durable,
             stop: self.stop.clone(),
             handle: tokio::runtime::Handle::current(),
+            progress: self.progress.clone(),
         })
         .await?;
         std::thread::Builder::new()
@@ -126,6 +129,13 @@ impl Source for KafkaSource {
 
     fn stop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+    }
+
+    /// Records handed out of those the owned partitions held when they were assigned
+    /// (`--until-caught-up` only).
+    fn progress(&self) -> Option<(u64, u64)> {
+        let total = self.progress.total.load(Ordering::Relaxed);
+        (total > 0).then(|| (self.progress.done.load(Ordering::Relaxed).min(total), total))
     }
 
     async fn finish(&mut self) {

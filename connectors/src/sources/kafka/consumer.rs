@@ -3,7 +3,7 @@
 //! callback (see the module documentation of [`super`]).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -36,6 +36,7 @@ pub(super) struct Setup<'a> {
     pub durable: watch::Receiver<Checkpoint>,
     pub stop: Arc<AtomicBool>,
     pub handle: tokio::runtime::Handle,
+    pub progress: Arc<Progress>,
 }
 
 /// A partition this member owns, and what it handed to the runtime since it got it.
@@ -68,6 +69,15 @@ pub(super) struct Context {
     /// Set once the run's last checkpoint is written: nothing more will become durable.
     closing: AtomicBool,
     until_caught_up: bool,
+    /// `--until-caught-up`: records handed out, and to read, in the owned partitions.
+    progress: Arc<Progress>,
+}
+
+/// Progress of an `--until-caught-up` run, read by [`super::KafkaSource::progress`].
+#[derive(Default)]
+pub(super) struct Progress {
+    pub done: AtomicU64,
+    pub total: AtomicU64,
 }
 
 impl ClientContext for Context {
@@ -238,6 +248,9 @@ impl Context {
                     .filter(|o| *o >= 0)
                     .unwrap_or(low);
                 end = Some(if start >= high { -1 } else { high });
+                self.progress
+                    .total
+                    .fetch_add(high.saturating_sub(start).max(0) as u64, Ordering::Relaxed);
             }
             owned.push((
                 partition_name(e.topic(), e.partition()),
@@ -263,6 +276,9 @@ impl Context {
                 return;
             }
             let chunk = std::mem::take(&mut tracker.pending);
+            self.progress
+                .done
+                .fetch_add(chunk.len() as u64, Ordering::Relaxed);
             let ranges = std::mem::take(&mut tracker.pending_range);
             (chunk, ranges, tracker.tx.clone())
         };
@@ -332,6 +348,7 @@ impl ConsumerThread {
             handle: setup.handle,
             closing: AtomicBool::new(false),
             until_caught_up: setup.mode == ReadMode::UntilCaughtUp,
+            progress: setup.progress,
         };
         let consumer: BaseConsumer<Context> = client_config(config, setup.pipeline)
             .create_with_context(context)
