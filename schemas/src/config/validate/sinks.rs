@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use super::{mask_url, object_store_url, range};
 use crate::config::{
-    ObjectJsonSinkConfig, ParquetSinkConfig, PipelineFile, PostgresSinkConfig, ProjectionConfig,
+    KafkaSinkConfig, ObjectJsonSinkConfig, ParquetSinkConfig, PipelineFile, PostgresSinkConfig, ProjectionConfig,
     RedisDeleteCommand, RedisSinkConfig, SinkConfig,
 };
 
@@ -19,6 +19,7 @@ pub(super) fn validate(problem: &mut impl FnMut(&str, String), file: &PipelineFi
             SinkConfig::Redis(r) => redis(problem, &base, r),
             SinkConfig::Parquet(s) => parquet(problem, &base, s),
             SinkConfig::Postgres(s) => postgres(problem, &base, s),
+            SinkConfig::Kafka(k) => kafka(problem, &base, k),
             SinkConfig::Null(_) => {}
         }
     }
@@ -188,4 +189,84 @@ fn postgres(problem: &mut impl FnMut(&str, String), base: &str, s: &PostgresSink
         1,
         100_000,
     );
+}
+
+/// librdkafka settings the Kafka sink sets itself: its delivery contract (idempotent, every
+/// replica acknowledges, a bounded wait) rests on them, or a field of its own says them.
+const KAFKA_OWN_PROPERTIES: &[&str] = &[
+    "bootstrap.servers",
+    "metadata.broker.list",
+    "enable.idempotence",
+    "acks",
+    "request.required.acks",
+    "max.in.flight",
+    "max.in.flight.requests.per.connection",
+    "delivery.timeout.ms",
+    "message.timeout.ms",
+    "compression.type",
+    "compression.codec",
+    "transactional.id",
+];
+
+/// Whether `name` is a topic name Kafka accepts: 1 to 249 letters, digits, `.`, `_`, `-`.
+pub(crate) fn kafka_topic_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 249
+        && name != "."
+        && name != ".."
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+/// `kind = "kafka"`: brokers as `host:port` pairs, usable topic names, a bounded delivery
+/// timeout, and no pass-through property that overrides what the sink sets itself.
+fn kafka(problem: &mut impl FnMut(&str, String), base: &str, k: &KafkaSinkConfig) {
+    let broker_ok = |b: &str| {
+        b.rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
+    };
+    if k.brokers.trim().is_empty() || !k.brokers.split(',').map(str::trim).all(broker_ok) {
+        problem(
+            &format!("{base}.brokers"),
+            format!("`{}` must be `host:port` pairs separated by commas", k.brokers),
+        );
+    }
+    if !kafka_topic_name(&k.topic_prefix) {
+        problem(
+            &format!("{base}.topic_prefix"),
+            format!(
+                "`{}` must be 1 to 249 letters, digits, `.`, `_` or `-`",
+                k.topic_prefix
+            ),
+        );
+    }
+    let documents = k
+        .documents_topic
+        .replace("{topic_prefix}", "p")
+        .replace("{collection}", "c");
+    if !kafka_topic_name(&documents) {
+        problem(
+            &format!("{base}.documents_topic"),
+            format!(
+                "`{}` must be letters, digits, `.`, `_`, `-`, `{{topic_prefix}}` and `{{collection}}`",
+                k.documents_topic
+            ),
+        );
+    }
+    range(
+        problem,
+        &format!("{base}.delivery_timeout_ms"),
+        k.delivery_timeout_ms,
+        1_000,
+        3_600_000,
+    );
+    for name in k.properties.keys() {
+        if KAFKA_OWN_PROPERTIES.contains(&name.as_str()) {
+            problem(
+                &format!("{base}.properties.{name}"),
+                format!("`{name}` is set by the sink itself (see docs/sinks/kafka.md)"),
+            );
+        }
+    }
 }
