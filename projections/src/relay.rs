@@ -67,13 +67,22 @@ mod tests {
     fn every_op_is_relayed_unchanged() {
         let src = json!({"schema": "public", "table": "authors", "lsn": 7, "txId": 3});
         let cases = [
-            ("create", json!({"after": {"id": 1}, "op": "c", "source": src})),
-            ("snapshot read", json!({"after": {"id": 1}, "op": "r", "source": src})),
+            (
+                "create",
+                json!({"after": {"id": 1}, "op": "c", "source": src}),
+            ),
+            (
+                "snapshot read",
+                json!({"after": {"id": 1}, "op": "r", "source": src}),
+            ),
             (
                 "update",
                 json!({"before": {"id": 1}, "after": {"id": 2}, "op": "u", "source": src}),
             ),
-            ("delete", json!({"before": {"id": 1}, "op": "d", "source": src})),
+            (
+                "delete",
+                json!({"before": {"id": 1}, "op": "d", "source": src}),
+            ),
             ("truncate", json!({"op": "t", "source": src})),
             (
                 "record key",
@@ -98,7 +107,12 @@ mod tests {
             (&["authors"], "public", "authors", true),
             (&["authors"], "other", "authors", true),
             (&["public.authors"], "other", "authors", false),
-            (&["public.books", "public.authors"], "public", "authors", true),
+            (
+                &["public.books", "public.authors"],
+                "public",
+                "authors",
+                true,
+            ),
             (&["books"], "public", "authors", false),
         ];
         for (tables, schema, name, want) in cases {

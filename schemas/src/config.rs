@@ -20,8 +20,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 pub use load::{ConfigError, ConfigErrors, LoadedPipeline, load, load_str};
-pub use validate::{is_secret_property, mask_url};
 pub use validate::routes::Families;
+pub use validate::{is_secret_property, mask_url};
 
 /// Default events per batch: large enough to amortize a sink round trip, small enough that a
 /// batch of wide rows stays within a few MiB.

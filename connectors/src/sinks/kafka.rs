@@ -34,6 +34,11 @@ use crate::{Intake, Sink, SinkBatch, SinkError, WriteReport};
 use errors::sink_error;
 use messages::{Message, Topics, messages};
 
+/// The longest wait between reconnection attempts to a broker, at most: librdkafka's default
+/// (10 s) lets a message wait that long past its delivery timeout while brokers are down,
+/// because the wait between attempts is where timeouts are noticed.
+const MAX_RECONNECT_BACKOFF_MS: u64 = 10_000;
+
 /// What the Kafka sink accepts: change events and documents.
 type Accepted<'a> = TopicOp<'a>;
 
@@ -85,7 +90,14 @@ impl Deliveries {
     }
 
     /// Records the delivery report of a message of `size` bytes.
-    fn report(&mut self, size: u64, result: Result<rdkafka::producer::future_producer::OwnedDeliveryResult, futures::channel::oneshot::Canceled>) {
+    fn report(
+        &mut self,
+        size: u64,
+        result: Result<
+            rdkafka::producer::future_producer::OwnedDeliveryResult,
+            futures::channel::oneshot::Canceled,
+        >,
+    ) {
         match result {
             Ok(Ok(_)) => {
                 self.delivered += 1;
@@ -124,6 +136,16 @@ impl KafkaSink {
             KafkaCompression::Lz4 => "lz4",
             KafkaCompression::None => "none",
         };
+        if !self
+            .config
+            .properties
+            .contains_key("reconnect.backoff.max.ms")
+        {
+            // A third of the delivery timeout: a batch fails soon after its timeout.
+            let backoff =
+                (self.config.delivery_timeout_ms / 3).clamp(100, MAX_RECONNECT_BACKOFF_MS);
+            c.set("reconnect.backoff.max.ms", backoff.to_string());
+        }
         c.set("bootstrap.servers", &self.config.brokers)
             .set("client.id", format!("refract-{}", self.name))
             .set("enable.idempotence", "true")
@@ -161,7 +183,8 @@ impl KafkaSink {
         let mut done = Deliveries::default();
         let mut pending: VecDeque<(u64, DeliveryFuture)> = VecDeque::new();
         for m in messages {
-            let size = (m.key.as_ref().map_or(0, Vec::len) + m.value.as_ref().map_or(0, Vec::len)) as u64;
+            let size =
+                (m.key.as_ref().map_or(0, Vec::len) + m.value.as_ref().map_or(0, Vec::len)) as u64;
             loop {
                 let mut record = FutureRecord::<[u8], [u8]>::to(&m.topic);
                 if let Some(key) = &m.key {
@@ -209,14 +232,13 @@ impl Sink for KafkaSink {
         let producer = self.producer()?;
         let timeout = Duration::from_millis(self.config.delivery_timeout_ms);
         let metadata = tokio::task::spawn_blocking(move || {
-            producer
-                .client()
-                .fetch_metadata(None, timeout)
-                .map(|_| ())
+            producer.client().fetch_metadata(None, timeout).map(|_| ())
         })
         .await;
         let result = match metadata {
-            Ok(result) => result.map_err(|e| sink_error(&self.name, "cannot reach the Kafka brokers", e)),
+            Ok(result) => {
+                result.map_err(|e| sink_error(&self.name, "cannot reach the Kafka brokers", e))
+            }
             Err(e) => Err(SinkError::Transient {
                 sink: self.name.clone(),
                 message: format!("metadata request did not finish: {e}"),

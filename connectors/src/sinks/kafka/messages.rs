@@ -173,7 +173,11 @@ fn key_move(event: &ChangeEvent) -> Option<(ChangeEvent, ChangeEvent)> {
 }
 
 /// The message of one document operation.
-fn document(topics: &mut Topics, op: &DocumentOp, out: &mut Vec<Message>) -> Result<(), Unsendable> {
+fn document(
+    topics: &mut Topics,
+    op: &DocumentOp,
+    out: &mut Vec<Message>,
+) -> Result<(), Unsendable> {
     match op {
         DocumentOp::Upsert {
             collection,
@@ -261,7 +265,11 @@ mod tests {
     fn each_operation_becomes_its_messages() {
         let t = "shop.public.order_items";
         let create = event(Op::Create, None, Some(json!({"id": 1})));
-        let update = event(Op::Update, Some(json!({"id": 1})), Some(json!({"id": 1, "n": 2})));
+        let update = event(
+            Op::Update,
+            Some(json!({"id": 1})),
+            Some(json!({"id": 1, "n": 2})),
+        );
         let moved = event(Op::Update, Some(json!({"id": 1})), Some(json!({"id": 2})));
         let partial_before = event(Op::Update, Some(json!({"n": 1})), Some(json!({"id": 2})));
         let delete = event(Op::Delete, Some(json!({"id": 1})), None);
@@ -283,8 +291,16 @@ mod tests {
             position: position(),
         };
         let cases: Vec<(&str, Vec<TopicOp<'_>>, Vec<String>)> = vec![
-            ("create", vec![TopicOp::Change(&create)], vec![format!(r#"{t} {{"id":1}} c"#)]),
-            ("update", vec![TopicOp::Change(&update)], vec![format!(r#"{t} {{"id":1}} u"#)]),
+            (
+                "create",
+                vec![TopicOp::Change(&create)],
+                vec![format!(r#"{t} {{"id":1}} c"#)],
+            ),
+            (
+                "update",
+                vec![TopicOp::Change(&update)],
+                vec![format!(r#"{t} {{"id":1}} u"#)],
+            ),
             (
                 "key move",
                 vec![TopicOp::Change(&moved)],
@@ -302,14 +318,28 @@ mod tests {
             (
                 "delete and its tombstone",
                 vec![TopicOp::Change(&delete)],
-                vec![format!(r#"{t} {{"id":1}} d"#), format!(r#"{t} {{"id":1}} tombstone"#)],
+                vec![
+                    format!(r#"{t} {{"id":1}} d"#),
+                    format!(r#"{t} {{"id":1}} tombstone"#),
+                ],
             ),
-            ("truncate", vec![TopicOp::Change(&truncate)], vec![format!("{t} - t")]),
-            ("keyless delete", vec![TopicOp::Change(&keyless)], vec![format!("{t} - d")]),
+            (
+                "truncate",
+                vec![TopicOp::Change(&truncate)],
+                vec![format!("{t} - t")],
+            ),
+            (
+                "keyless delete",
+                vec![TopicOp::Change(&keyless)],
+                vec![format!("{t} - d")],
+            ),
             (
                 "documents",
                 vec![TopicOp::Document(&upsert), TopicOp::Document(&doc_delete)],
-                vec!["shop.docs.books b1 doc".into(), "shop.docs.books b1 tombstone".into()],
+                vec![
+                    "shop.docs.books b1 doc".into(),
+                    "shop.docs.books b1 tombstone".into(),
+                ],
             ),
         ];
         for (name, ops, want) in cases {
@@ -330,8 +360,14 @@ mod tests {
             r => panic!("{r:?}"),
         };
         let (delete, create) = (decode(&out[0]), decode(&out[2]));
-        assert_eq!((delete.op, delete.before, delete.after), (Op::Delete, moved.before.clone(), None));
-        assert_eq!((create.op, create.before, create.after), (Op::Create, None, moved.after));
+        assert_eq!(
+            (delete.op, delete.before, delete.after),
+            (Op::Delete, moved.before.clone(), None)
+        );
+        assert_eq!(
+            (create.op, create.before, create.after),
+            (Op::Create, None, moved.after)
+        );
     }
 
     #[test]
@@ -341,7 +377,10 @@ mod tests {
             position: position(),
         };
         let error = render(&[TopicOp::Document(&truncate)]).unwrap_err();
-        assert!(error.0.contains("cannot empty a compacted topic"), "{error:?}");
+        assert!(
+            error.0.contains("cannot empty a compacted topic"),
+            "{error:?}"
+        );
         let nokey = event(Op::Create, None, Some(json!({"id": null})));
         let error = render(&[TopicOp::Change(&nokey)]).unwrap_err();
         assert!(error.0.contains("key column `id`"), "{error:?}");

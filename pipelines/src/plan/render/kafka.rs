@@ -88,7 +88,13 @@ properties = { "security.protocol" = "SASL_SSL", "sasl.username" = "refract", "s
         for secret in ["hunter2", "swordfish", "password=y"] {
             assert!(!out.contains(secret), "{secret} shown in:\n{out}");
         }
-        for shown in ["SASL_SSL", "sasl.username = refract", "/ca.pem", "r1-secretish", "shop.{schema}.{table}"] {
+        for shown in [
+            "SASL_SSL",
+            "sasl.username = refract",
+            "/ca.pem",
+            "r1-secretish",
+            "shop.{schema}.{table}",
+        ] {
             assert!(out.contains(shown), "{shown} missing from:\n{out}");
         }
     }

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 
 use super::{mask_url, object_store_url, range};
 use crate::config::{
-    KafkaSinkConfig, ObjectJsonSinkConfig, ParquetSinkConfig, PipelineFile, PostgresSinkConfig, ProjectionConfig,
-    RedisDeleteCommand, RedisSinkConfig, SinkConfig,
+    KafkaSinkConfig, ObjectJsonSinkConfig, ParquetSinkConfig, PipelineFile, PostgresSinkConfig,
+    ProjectionConfig, RedisDeleteCommand, RedisSinkConfig, SinkConfig,
 };
 
 /// Checks each sink in the order of its name.
@@ -229,7 +229,10 @@ fn kafka(problem: &mut impl FnMut(&str, String), base: &str, k: &KafkaSinkConfig
     if k.brokers.trim().is_empty() || !k.brokers.split(',').map(str::trim).all(broker_ok) {
         problem(
             &format!("{base}.brokers"),
-            format!("`{}` must be `host:port` pairs separated by commas", k.brokers),
+            format!(
+                "`{}` must be `host:port` pairs separated by commas",
+                k.brokers
+            ),
         );
     }
     if !kafka_topic_name(&k.topic_prefix) {

@@ -79,7 +79,10 @@ fn every_op_round_trips() {
     let cases: Vec<(&str, ChangeEvent)> = vec![
         ("create", event(Op::Create, None, Some(a1.clone()))),
         ("read", event(Op::Read, None, Some(a1.clone()))),
-        ("update", event(Op::Update, Some(a1.clone()), Some(a2.clone()))),
+        (
+            "update",
+            event(Op::Update, Some(a1.clone()), Some(a2.clone())),
+        ),
         ("update without before", event(Op::Update, None, Some(a2))),
         ("delete", event(Op::Delete, Some(json!({"id": 1})), None)),
         ("truncate", event(Op::Truncate, None, None)),
