@@ -273,3 +273,94 @@ fn kafka(problem: &mut impl FnMut(&str, String), base: &str, k: &KafkaSinkConfig
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::load_str;
+
+    const KAFKA: &str = r#"
+[pipeline]
+name = "k"
+[source]
+kind = "file"
+path = "changes.jsonl"
+[projections.changes]
+kind = "relay"
+tables = ["public.authors", "books"]
+sinks = ["kafka"]
+[sinks.kafka]
+kind = "kafka"
+brokers = "b1:9092, b2:9092"
+topic_prefix = "shop"
+properties = { "security.protocol" = "SASL_SSL" }
+"#;
+
+    /// `(path, message, line)` of each error for `text`.
+    fn problems(text: &str) -> Vec<(String, String, usize)> {
+        match load_str("k.toml", text, &|_| None, None) {
+            Ok(_) => Vec::new(),
+            Err(errors) => errors
+                .0
+                .into_iter()
+                .map(|e| (e.path.clone(), e.message.clone(), e.line))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn each_kafka_rule_names_its_field() {
+        assert_eq!(problems(KAFKA), Vec::new());
+        let cases = [
+            (
+                "brokers = \"b1:9092, b2:9092\"",
+                "brokers = \"b1\"",
+                "sinks.kafka.brokers",
+                "`host:port` pairs",
+                13,
+            ),
+            (
+                "topic_prefix = \"shop\"",
+                "topic_prefix = \"sh op\"",
+                "sinks.kafka.topic_prefix",
+                "letters, digits",
+                14,
+            ),
+            (
+                "topic_prefix = \"shop\"",
+                "topic_prefix = \"shop\"\ndocuments_topic = \"{table}\"",
+                "sinks.kafka.documents_topic",
+                "`{topic_prefix}` and `{collection}`",
+                15,
+            ),
+            (
+                "topic_prefix = \"shop\"",
+                "topic_prefix = \"shop\"\ndelivery_timeout_ms = 999",
+                "sinks.kafka.delivery_timeout_ms",
+                "between 1000 and 3600000",
+                15,
+            ),
+            (
+                "\"security.protocol\" = \"SASL_SSL\"",
+                "\"enable.idempotence\" = \"false\"",
+                "sinks.kafka.properties.enable.idempotence",
+                "set by the sink itself",
+                15,
+            ),
+            (
+                "\"public.authors\", \"books\"",
+                "\"a.b.c\"",
+                "projections.changes.tables[0]",
+                "`schema.table`",
+                9,
+            ),
+        ];
+        for (from, to, path, words, line) in cases {
+            let found = problems(&KAFKA.replacen(from, to, 1));
+            assert_eq!(found.len(), 1, "{to}: {found:?}");
+            let (p, message, l) = &found[0];
+            assert_eq!(p, path, "{message}");
+            assert!(message.contains(words), "{to}: {message}");
+            assert_eq!(*l, line, "{to}: {message}");
+        }
+    }
+}
