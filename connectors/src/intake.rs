@@ -6,6 +6,7 @@
 //! sink reads its batch with [`SinkBatch::intake`], so its write path matches only on what it
 //! applies.
 
+use refract_schemas::ChangeEvent;
 use refract_schemas::write::{DocumentOp, Invalidation, OpFamily, RowChange, WriteOp};
 
 use crate::{SinkBatch, SinkError};
@@ -68,7 +69,28 @@ impl<'a> Intake<'a> for CacheOp<'a> {
         match op {
             WriteOp::Document(op) => Some(CacheOp::Document(op)),
             WriteOp::Invalidate(op) => Some(CacheOp::Invalidate(op)),
-            WriteOp::Row(_) => None,
+            WriteOp::Row(_) | WriteOp::Change(_) => None,
+        }
+    }
+}
+
+/// Change events and documents (a log of messages per key, such as Kafka topics).
+#[derive(Debug, Clone, Copy)]
+pub enum TopicOp<'a> {
+    /// A change event to relay.
+    Change(&'a ChangeEvent),
+    /// A document to store or remove.
+    Document(&'a DocumentOp),
+}
+
+impl<'a> Intake<'a> for TopicOp<'a> {
+    const FAMILIES: &'static [OpFamily] = &[OpFamily::Documents, OpFamily::Changes];
+
+    fn take(op: &'a WriteOp) -> Option<Self> {
+        match op {
+            WriteOp::Change(event) => Some(TopicOp::Change(event)),
+            WriteOp::Document(op) => Some(TopicOp::Document(op)),
+            WriteOp::Invalidate(_) | WriteOp::Row(_) => None,
         }
     }
 }

@@ -6,6 +6,7 @@ use std::time::Duration;
 use refract_schemas::config::{SinkConfig, SourceConfig};
 use refract_schemas::write::OpFamily;
 
+use crate::sinks::kafka::KafkaSink;
 use crate::sinks::null::NullSink;
 use crate::sinks::object_json::ObjectJsonSink;
 use crate::sinks::parquet::ParquetSink;
@@ -44,6 +45,10 @@ pub fn build_sink(name: &str, config: &SinkConfig) -> BuiltSink {
             Box::new(PostgresSink::new(name, c.clone())),
             DEFAULT_UNHEALTHY_AFTER,
         ),
+        SinkConfig::Kafka(c) => (
+            Box::new(KafkaSink::new(name, c.clone())),
+            DEFAULT_UNHEALTHY_AFTER,
+        ),
         SinkConfig::Null(_) => (Box::new(NullSink::new(name)), DEFAULT_UNHEALTHY_AFTER),
     };
     BuiltSink {
@@ -61,6 +66,7 @@ pub fn accepts(config: &SinkConfig) -> &'static [OpFamily] {
         SinkConfig::Redis(_) => RedisSink::ACCEPTS,
         SinkConfig::Parquet(_) => ParquetSink::ACCEPTS,
         SinkConfig::Postgres(_) => PostgresSink::ACCEPTS,
+        SinkConfig::Kafka(_) => KafkaSink::ACCEPTS,
         SinkConfig::Null(_) => NullSink::ACCEPTS,
     }
 }

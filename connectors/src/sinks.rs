@@ -1,6 +1,7 @@
 //! Sinks: where write operations are applied. One file per kind; see [`crate::registry`].
 
 pub(crate) mod documents;
+pub mod kafka;
 pub mod null;
 pub mod object_json;
 pub mod parquet;

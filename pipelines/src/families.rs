@@ -51,6 +51,7 @@ mod tests {
             "kind = \"document\"\nsinks = [\"s\"]\ntable = \"public.books\"\n\
              fields = [{ name = \"id\", from = \"id\" }]",
         ),
+        ("relay", "kind = \"relay\"\nsinks = [\"s\"]"),
     ];
 
     /// A minimal valid section of each sink kind.
@@ -71,12 +72,16 @@ mod tests {
             "postgres",
             "kind = \"postgres\"\nurl = \"postgres://u@127.0.0.1/db\"",
         ),
+        (
+            "kafka",
+            "kind = \"kafka\"\nbrokers = \"127.0.0.1:9092\"\ntopic_prefix = \"shop\"",
+        ),
         ("null", "kind = \"null\""),
     ];
 
     /// The pairs that work, written out here as an independent model of what each kind does:
     /// documents go to document stores and caches, invalidations to caches, flat rows to
-    /// columnar files; the null sink takes everything.
+    /// columnar files, change events (and documents) to Kafka; the null sink takes everything.
     const WORKS: &[(&str, &str)] = &[
         ("replica", "object_json"),
         ("replica", "redis"),
@@ -86,6 +91,10 @@ mod tests {
         ("document", "redis"),
         ("document", "postgres"),
         ("document", "null"),
+        ("replica", "kafka"),
+        ("document", "kafka"),
+        ("relay", "kafka"),
+        ("relay", "null"),
         ("cache_invalidation", "redis"),
         ("cache_invalidation", "null"),
         ("flatten", "parquet"),

@@ -7,6 +7,7 @@
 pub mod cache_invalidation;
 pub mod document;
 pub mod flatten;
+pub mod relay;
 pub mod replica;
 pub mod state;
 
@@ -120,6 +121,7 @@ pub fn build(config: &ProjectionConfig) -> Box<dyn Projection> {
         }
         ProjectionConfig::Flatten(c) => Box::new(flatten::FlattenProjection::new(c)),
         ProjectionConfig::Document(c) => Box::new(document::DocumentProjection::new(c)),
+        ProjectionConfig::Relay(c) => Box::new(relay::RelayProjection::new(c)),
     }
 }
 
@@ -133,6 +135,7 @@ pub fn emits(config: &ProjectionConfig) -> &'static [OpFamily] {
         }
         ProjectionConfig::Flatten(_) => flatten::FlattenProjection::EMITS,
         ProjectionConfig::Document(_) => document::DocumentProjection::EMITS,
+        ProjectionConfig::Relay(_) => relay::RelayProjection::EMITS,
     }
 }
 

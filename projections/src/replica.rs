@@ -321,6 +321,7 @@ mod tests {
                 }
                 WriteOp::Invalidate(i) => format!("I {}", i.key),
                 WriteOp::Row(r) => format!("F {}", r.change.schema.table),
+                WriteOp::Change(e) => format!("C {}", e.table),
             })
             .collect())
     }

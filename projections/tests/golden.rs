@@ -56,6 +56,9 @@ fn run_golden(name: &str, projection: &mut dyn Projection) {
                     WriteOp::Row(RowChange { change, .. }) => {
                         json!({"line": i + 1, "flat": *change.schema.table, "op": change.op.code()})
                     }
+                    WriteOp::Change(event) => {
+                        json!({"line": i + 1, "change": event.table.to_string(), "op": event.op.code()})
+                    }
                 }
                 .to_string(),
             );

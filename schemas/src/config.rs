@@ -22,11 +22,10 @@ use serde::{Deserialize, Serialize};
 
 pub use kafka::{
     KAFKA_SOURCE_RESERVED, KafkaFormat, KafkaSourceConfig, KafkaStart, SchemaRegistryConfig,
-    is_secret_property,
 };
 pub use load::{ConfigError, ConfigErrors, LoadedPipeline, load, load_str};
-pub use validate::mask_url;
 pub use validate::routes::Families;
+pub use validate::{is_secret_property, mask_url};
 
 /// Default events per batch: large enough to amortize a sink round trip, small enough that a
 /// batch of wide rows stays within a few MiB.
@@ -270,6 +269,9 @@ pub enum ProjectionConfig {
     /// embedded rows of other tables (one-to-many or through a link table), kept current as any
     /// of those tables changes.
     Document(DocumentProjectionConfig),
+    /// Every change of its tables relayed as it is, as change events (to a Kafka sink: refract
+    /// as a Debezium replacement).
+    Relay(RelayProjectionConfig),
 }
 
 impl PostgresSourceConfig {
@@ -310,6 +312,7 @@ impl ProjectionConfig {
             ProjectionConfig::CacheInvalidation(_) => "cache_invalidation",
             ProjectionConfig::Flatten(_) => "flatten",
             ProjectionConfig::Document(_) => "document",
+            ProjectionConfig::Relay(_) => "relay",
         }
     }
 
@@ -320,6 +323,7 @@ impl ProjectionConfig {
             ProjectionConfig::CacheInvalidation(c) => &c.sinks,
             ProjectionConfig::Flatten(c) => &c.sinks,
             ProjectionConfig::Document(c) => &c.sinks,
+            ProjectionConfig::Relay(c) => &c.sinks,
         }
     }
 }
@@ -350,6 +354,18 @@ fn default_key() -> Vec<String> {
 }
 fn default_collection() -> String {
     "{table}".into()
+}
+
+/// `kind = "relay"`: creates, updates, deletes, snapshot reads and truncates of its tables, one
+/// change event each, unchanged.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RelayProjectionConfig {
+    /// Tables to relay (`table` or `schema.table`); empty means every table.
+    #[serde(default)]
+    pub tables: Vec<String>,
+    /// Sinks the change events go to (`kafka`, or `null` for dry runs).
+    pub sinks: Vec<String>,
 }
 
 /// `kind = "cache_invalidation"`: per table, key templates rendered from the before image and the
@@ -664,6 +680,9 @@ pub enum SinkConfig {
     Parquet(ParquetSinkConfig),
     /// PostgreSQL tables of JSONB documents, one per collection.
     Postgres(PostgresSinkConfig),
+    /// Kafka topics: change events as Debezium envelopes, one topic per table, and documents
+    /// keyed for compacted topics.
+    Kafka(KafkaSinkConfig),
     /// Discards everything (benchmarks, dry runs).
     Null(NullSinkConfig),
 }
@@ -676,6 +695,7 @@ impl SinkConfig {
             SinkConfig::Redis(_) => "redis",
             SinkConfig::Parquet(_) => "parquet",
             SinkConfig::Postgres(_) => "postgres",
+            SinkConfig::Kafka(_) => "kafka",
             SinkConfig::Null(_) => "null",
         }
     }
@@ -900,6 +920,57 @@ pub const DEFAULT_ROWS_PER_STATEMENT: usize = 1_000;
 
 fn default_rows_per_statement() -> usize {
     DEFAULT_ROWS_PER_STATEMENT
+}
+
+/// `kind = "kafka"`: change events to `{topic_prefix}.{schema}.{table}` (Debezium's topic
+/// names), keyed by their key columns, valued by Debezium JSON envelopes; documents to
+/// `documents_topic`, keyed by document key.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaSinkConfig {
+    /// Bootstrap servers, `host:port` separated by commas (`${KAFKA_BROKERS:-127.0.0.1:9092}` in
+    /// shipped files).
+    pub brokers: String,
+    /// First part of every topic name (Debezium's `topic.prefix`): letters, digits, `.`, `_`, `-`.
+    pub topic_prefix: String,
+    /// Topic of a collection's documents; `{topic_prefix}` and `{collection}` are replaced.
+    #[serde(default = "default_documents_topic")]
+    pub documents_topic: String,
+    /// Compression of message batches.
+    #[serde(default)]
+    pub compression: KafkaCompression,
+    /// A batch's messages must all be acknowledged within this many milliseconds (1,000 to
+    /// 3,600,000), else the batch fails and is retried.
+    #[serde(default = "default_delivery_timeout_ms")]
+    pub delivery_timeout_ms: u64,
+    /// Further librdkafka producer settings, passed through (`"security.protocol" = "SASL_SSL"`,
+    /// `"sasl.password" = "${KAFKA_PASSWORD}"`); secret ones are masked by `plan`. Those the sink
+    /// sets itself (idempotence, acks, timeouts, compression, brokers) are refused.
+    #[serde(default)]
+    pub properties: BTreeMap<String, String>,
+}
+
+/// Compression of Kafka message batches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum KafkaCompression {
+    /// LZ4: cheap to compress and decompress, and JSON shrinks severalfold.
+    #[default]
+    Lz4,
+    /// No compression.
+    None,
+}
+
+fn default_documents_topic() -> String {
+    "{topic_prefix}.{collection}".into()
+}
+
+/// Default delivery timeout: librdkafka's own two minutes is long for a batch the runtime waits
+/// on; thirty seconds rides out a leader election and reports a dead cluster soon.
+pub const DEFAULT_KAFKA_DELIVERY_TIMEOUT_MS: u64 = 30_000;
+
+fn default_delivery_timeout_ms() -> u64 {
+    DEFAULT_KAFKA_DELIVERY_TIMEOUT_MS
 }
 
 /// `kind = "null"`: no settings.

@@ -1,4 +1,5 @@
-//! Debezium JSON codec: decodes one record as Debezium's JsonConverter writes it.
+//! Debezium JSON codec: decodes one record as Debezium's JsonConverter writes it, and encodes
+//! change events the same way ([`encode`]).
 //!
 //! Accepted shapes, one JSON object per record:
 //! - the bare envelope (`schemas.enable=false`): `{"before":…,"after":…,"op":"u","source":{…}}`;
@@ -11,6 +12,7 @@
 //! Every failure is a [`DecodeError`] carrying the record's position and a readable reason, so the
 //! runtime can dead-letter it.
 
+pub mod encode;
 pub mod logical;
 
 use std::borrow::Cow;

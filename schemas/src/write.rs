@@ -7,7 +7,7 @@
 //! that cannot take everything the projection emits, so no sink is handed an operation it
 //! cannot apply.
 //!
-//! A new family (tier writes, change events for a Kafka sink) adds an [`OpFamily`] variant, a
+//! A new family (tier writes, say) adds an [`OpFamily`] variant, a
 //! [`WriteOp`] variant carrying its own operation type, and the declarations of the projections
 //! that emit it and the sinks that accept it.
 
@@ -15,7 +15,7 @@ pub mod flat;
 
 use std::sync::Arc;
 
-use crate::{Position, Row};
+use crate::{ChangeEvent, Position, Row};
 use flat::FlatChange;
 
 /// What a sink does with a group of operations.
@@ -27,12 +27,18 @@ pub enum OpFamily {
     Invalidations,
     /// Row changes of flat columnar tables: [`RowChange`].
     Rows,
+    /// Change events relayed as they are (to a Kafka topic per table): [`WriteOp::Change`].
+    Changes,
 }
 
 impl OpFamily {
     /// Every family, in declaration order.
-    pub const ALL: &'static [OpFamily] =
-        &[OpFamily::Documents, OpFamily::Invalidations, OpFamily::Rows];
+    pub const ALL: &'static [OpFamily] = &[
+        OpFamily::Documents,
+        OpFamily::Invalidations,
+        OpFamily::Rows,
+        OpFamily::Changes,
+    ];
 
     /// The family's name in messages ("documents").
     pub fn name(self) -> &'static str {
@@ -40,6 +46,7 @@ impl OpFamily {
             OpFamily::Documents => "documents",
             OpFamily::Invalidations => "cache invalidations",
             OpFamily::Rows => "flat table rows",
+            OpFamily::Changes => "change events",
         }
     }
 
@@ -63,6 +70,8 @@ pub enum WriteOp {
     Invalidate(Invalidation),
     /// A row change of a flat table.
     Row(RowChange),
+    /// A change event relayed as it is (shared: the sink encodes it, nothing changes it).
+    Change(Arc<ChangeEvent>),
 }
 
 impl WriteOp {
@@ -72,6 +81,7 @@ impl WriteOp {
             WriteOp::Document(_) => OpFamily::Documents,
             WriteOp::Invalidate(_) => OpFamily::Invalidations,
             WriteOp::Row(_) => OpFamily::Rows,
+            WriteOp::Change(_) => OpFamily::Changes,
         }
     }
 
@@ -81,6 +91,7 @@ impl WriteOp {
             WriteOp::Document(op) => op.position(),
             WriteOp::Invalidate(op) => &op.position,
             WriteOp::Row(op) => &op.position,
+            WriteOp::Change(event) => &event.position,
         }
     }
 }
@@ -165,7 +176,7 @@ mod tests {
         assert_eq!(OpFamily::sentence(&[OpFamily::Rows]), "flat table rows");
         assert_eq!(
             OpFamily::sentence(OpFamily::ALL),
-            "documents, cache invalidations and flat table rows"
+            "documents, cache invalidations, flat table rows and change events"
         );
     }
 }

@@ -39,6 +39,7 @@ impl Sink for NullSink {
             let upsert = match op {
                 WriteOp::Document(op) => matches!(op, DocumentOp::Upsert { .. }),
                 WriteOp::Row(row) => row.change.op == FlatOp::Upsert,
+                WriteOp::Change(event) => event.op != refract_schemas::Op::Delete,
                 WriteOp::Invalidate(_) => false,
             };
             if upsert {

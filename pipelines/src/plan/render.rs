@@ -14,6 +14,8 @@ use refract_schemas::config::{
     SourceConfig, is_secret_property, mask_url,
 };
 
+mod kafka;
+
 use super::{SourceCheck, findings, pretty_bytes};
 use crate::checkpoint::{CheckpointError, CheckpointStore};
 use crate::runtime::{default_dead_letter_path, state_path};
@@ -416,6 +418,7 @@ fn render_projection(out: &mut String, name: &str, p: &ProjectionConfig) {
         ProjectionConfig::CacheInvalidation(ci) => render_cache_invalidation(out, name, ci),
         ProjectionConfig::Document(d) => render_document(out, name, d),
         ProjectionConfig::Flatten(f) => render_flatten(out, name, f),
+        ProjectionConfig::Relay(r) => kafka::render_relay(out, name, r),
     }
 }
 
@@ -512,6 +515,7 @@ fn render_sink(out: &mut String, loaded: &LoadedPipeline, name: &str, s: &SinkCo
         SinkConfig::Redis(r) => render_redis_sink(out, loaded, name, r),
         SinkConfig::Parquet(p) => render_parquet_sink(out, loaded, name, p),
         SinkConfig::Postgres(p) => render_postgres_sink(out, loaded, name, p),
+        SinkConfig::Kafka(k) => kafka::render_kafka_sink(out, loaded, name, k),
         SinkConfig::Null(_) => {
             let _ = writeln!(out, "writes `{name}` (null): discards everything");
         }

@@ -370,6 +370,7 @@ pub(super) fn new_processor(
             SinkConfig::Redis(r) => mask_url(&r.url),
             SinkConfig::Parquet(p) => mask_url(&p.url),
             SinkConfig::Postgres(p) => format!("{} ({}.{})", mask_url(&p.url), p.schema, p.table),
+            SinkConfig::Kafka(k) => format!("Kafka {} (topics {}.*)", k.brokers, k.topic_prefix),
             SinkConfig::Null(_) => "discarded".to_owned(),
         };
         processor

@@ -95,8 +95,3 @@ impl KafkaSourceConfig {
             .unwrap_or_else(|| format!("refract_{pipeline}"))
     }
 }
-
-/// Whether a librdkafka setting holds a secret (masked wherever settings are printed).
-pub fn is_secret_property(name: &str) -> bool {
-    name.contains("password") || name.contains("secret") || name.ends_with(".key.pem")
-}

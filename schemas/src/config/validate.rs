@@ -142,6 +142,17 @@ fn object_store_url(problem: &mut impl FnMut(&str, String), path: &str, url: &st
     }
 }
 
+/// Whether a pass-through client setting (a Kafka sink's `properties`) holds a secret, by its
+/// name: passwords, secrets, private keys, JAAS configs, tokens. `plan` shows such values as
+/// `***`.
+pub fn is_secret_property(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    ["password", "secret", "jaas", "token", "credential"]
+        .iter()
+        .any(|word| name.contains(word))
+        || (name.contains("key") && !name.ends_with(".location"))
+}
+
 /// Hides the password of a URL's user-info (`scheme://user:secret@host` → `scheme://user:***@host`).
 pub fn mask_url(value: &str) -> String {
     let Some((scheme, rest)) = value.split_once("://") else {

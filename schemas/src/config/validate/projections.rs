@@ -27,6 +27,7 @@ pub(super) fn validate(problem: &mut impl FnMut(&str, String), file: &PipelineFi
             ProjectionConfig::Document(d) => document::validate(problem, &base, d),
             ProjectionConfig::Flatten(f) => flatten::validate(problem, &base, f),
             ProjectionConfig::CacheInvalidation(c) => cache_invalidation(problem, &base, c),
+            ProjectionConfig::Relay(r) => table_patterns(problem, &base, &r.tables),
         }
         routes(problem, projection, &base, &file.sinks);
     }
@@ -77,6 +78,19 @@ fn replica(problem: &mut impl FnMut(&str, String), base: &str, r: &ReplicaProjec
             &format!("{base}.collection"),
             format!("`{}` must be non-empty and contain no `/`", r.collection),
         );
+    }
+}
+
+/// `kind = "relay"`: each table pattern is `table` or `schema.table`.
+fn table_patterns(problem: &mut impl FnMut(&str, String), base: &str, tables: &[String]) {
+    for (i, table) in tables.iter().enumerate() {
+        let parts: Vec<&str> = table.split('.').collect();
+        if parts.len() > 2 || parts.iter().any(|p| p.is_empty()) {
+            problem(
+                &format!("{base}.tables[{i}]"),
+                format!("`{table}` must be `table` or `schema.table`"),
+            );
+        }
     }
 }
 

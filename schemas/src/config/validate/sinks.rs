@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 
 use super::{mask_url, object_store_url, range};
 use crate::config::{
-    ObjectJsonSinkConfig, ParquetSinkConfig, PipelineFile, PostgresSinkConfig, ProjectionConfig,
-    RedisDeleteCommand, RedisSinkConfig, SinkConfig,
+    KafkaSinkConfig, ObjectJsonSinkConfig, ParquetSinkConfig, PipelineFile, PostgresSinkConfig,
+    ProjectionConfig, RedisDeleteCommand, RedisSinkConfig, SinkConfig,
 };
 
 /// Checks each sink in the order of its name.
@@ -19,6 +19,7 @@ pub(super) fn validate(problem: &mut impl FnMut(&str, String), file: &PipelineFi
             SinkConfig::Redis(r) => redis(problem, &base, r),
             SinkConfig::Parquet(s) => parquet(problem, &base, s),
             SinkConfig::Postgres(s) => postgres(problem, &base, s),
+            SinkConfig::Kafka(k) => kafka(problem, &base, k),
             SinkConfig::Null(_) => {}
         }
     }
@@ -188,4 +189,178 @@ fn postgres(problem: &mut impl FnMut(&str, String), base: &str, s: &PostgresSink
         1,
         100_000,
     );
+}
+
+/// librdkafka settings the Kafka sink sets itself: its delivery contract (idempotent, every
+/// replica acknowledges, a bounded wait) rests on them, or a field of its own says them.
+const KAFKA_OWN_PROPERTIES: &[&str] = &[
+    "bootstrap.servers",
+    "metadata.broker.list",
+    "enable.idempotence",
+    "acks",
+    "request.required.acks",
+    "max.in.flight",
+    "max.in.flight.requests.per.connection",
+    "delivery.timeout.ms",
+    "message.timeout.ms",
+    "compression.type",
+    "compression.codec",
+    "transactional.id",
+];
+
+/// Whether `name` is a topic name Kafka accepts: 1 to 249 letters, digits, `.`, `_`, `-`.
+pub(crate) fn kafka_topic_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 249
+        && name != "."
+        && name != ".."
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+/// `kind = "kafka"`: brokers as `host:port` pairs, usable topic names, a bounded delivery
+/// timeout, and no pass-through property that overrides what the sink sets itself.
+fn kafka(problem: &mut impl FnMut(&str, String), base: &str, k: &KafkaSinkConfig) {
+    let broker_ok = |b: &str| {
+        b.rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
+    };
+    if k.brokers.trim().is_empty() || !k.brokers.split(',').map(str::trim).all(broker_ok) {
+        problem(
+            &format!("{base}.brokers"),
+            format!(
+                "`{}` must be `host:port` pairs separated by commas",
+                k.brokers
+            ),
+        );
+    }
+    if !kafka_topic_name(&k.topic_prefix) {
+        problem(
+            &format!("{base}.topic_prefix"),
+            format!(
+                "`{}` must be 1 to 249 letters, digits, `.`, `_` or `-`",
+                k.topic_prefix
+            ),
+        );
+    }
+    let documents = k
+        .documents_topic
+        .replace("{topic_prefix}", "p")
+        .replace("{collection}", "c");
+    if !kafka_topic_name(&documents) {
+        problem(
+            &format!("{base}.documents_topic"),
+            format!(
+                "`{}` must be letters, digits, `.`, `_`, `-`, `{{topic_prefix}}` and `{{collection}}`",
+                k.documents_topic
+            ),
+        );
+    }
+    range(
+        problem,
+        &format!("{base}.delivery_timeout_ms"),
+        k.delivery_timeout_ms,
+        1_000,
+        3_600_000,
+    );
+    for name in k.properties.keys() {
+        if KAFKA_OWN_PROPERTIES.contains(&name.as_str()) {
+            problem(
+                &format!("{base}.properties.{name}"),
+                format!("`{name}` is set by the sink itself (see docs/sinks/kafka.md)"),
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::load_str;
+
+    const KAFKA: &str = r#"
+[pipeline]
+name = "k"
+[source]
+kind = "file"
+path = "changes.jsonl"
+[projections.changes]
+kind = "relay"
+tables = ["public.authors", "books"]
+sinks = ["kafka"]
+[sinks.kafka]
+kind = "kafka"
+brokers = "b1:9092, b2:9092"
+topic_prefix = "shop"
+properties = { "security.protocol" = "SASL_SSL" }
+"#;
+
+    /// `(path, message, line)` of each error for `text`.
+    fn problems(text: &str) -> Vec<(String, String, usize)> {
+        match load_str("k.toml", text, &|_| None, None) {
+            Ok(_) => Vec::new(),
+            Err(errors) => errors
+                .0
+                .into_iter()
+                .map(|e| (e.path.clone(), e.message.clone(), e.line))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn each_kafka_rule_names_its_field() {
+        assert_eq!(problems(KAFKA), Vec::new());
+        let cases = [
+            (
+                "brokers = \"b1:9092, b2:9092\"",
+                "brokers = \"b1\"",
+                "sinks.kafka.brokers",
+                "`host:port` pairs",
+                13,
+            ),
+            (
+                "topic_prefix = \"shop\"",
+                "topic_prefix = \"sh op\"",
+                "sinks.kafka.topic_prefix",
+                "letters, digits",
+                14,
+            ),
+            (
+                "topic_prefix = \"shop\"",
+                "topic_prefix = \"shop\"\ndocuments_topic = \"{table}\"",
+                "sinks.kafka.documents_topic",
+                "`{topic_prefix}` and `{collection}`",
+                15,
+            ),
+            (
+                "topic_prefix = \"shop\"",
+                "topic_prefix = \"shop\"\ndelivery_timeout_ms = 999",
+                "sinks.kafka.delivery_timeout_ms",
+                "between 1000 and 3600000",
+                15,
+            ),
+            (
+                "\"security.protocol\" = \"SASL_SSL\"",
+                "\"enable.idempotence\" = \"false\"",
+                "sinks.kafka.properties.enable.idempotence",
+                "set by the sink itself",
+                15,
+            ),
+            (
+                "\"public.authors\", \"books\"",
+                "\"a.b.c\"",
+                "projections.changes.tables[0]",
+                "`schema.table`",
+                9,
+            ),
+        ];
+        for (from, to, path, words, line) in cases {
+            let found = problems(&KAFKA.replacen(from, to, 1));
+            assert_eq!(found.len(), 1, "{to}: {found:?}");
+            let (p, message, l) = &found[0];
+            assert_eq!(p, path, "{message}");
+            assert!(message.contains(words), "{to}: {message}");
+            assert_eq!(*l, line, "{to}: {message}");
+        }
+    }
 }

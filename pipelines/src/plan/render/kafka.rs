@@ -1,0 +1,101 @@
+//! The plan's lines for a `relay` projection and a `kafka` sink, pass-through producer
+//! properties with their secret values masked.
+
+use std::fmt::Write as _;
+
+use refract_schemas::config::{
+    KafkaCompression, KafkaSinkConfig, LoadedPipeline, RelayProjectionConfig, is_secret_property,
+};
+
+use super::shown;
+
+/// A relay projection: the tables whose changes it relays.
+pub(super) fn render_relay(out: &mut String, name: &str, r: &RelayProjectionConfig) {
+    let tables = if r.tables.is_empty() {
+        "every table".to_owned()
+    } else {
+        r.tables.join(", ")
+    };
+    let _ = writeln!(
+        out,
+        "projects `{name}` (relay): {tables} -> every change as it is -> sinks {}",
+        r.sinks.join(", ")
+    );
+}
+
+/// A kafka sink: brokers, topics, compression, delivery timeout, and the pass-through
+/// properties (secret ones as `***`).
+pub(super) fn render_kafka_sink(
+    out: &mut String,
+    loaded: &LoadedPipeline,
+    name: &str,
+    k: &KafkaSinkConfig,
+) {
+    let compression = match k.compression {
+        KafkaCompression::Lz4 => "lz4",
+        KafkaCompression::None => "uncompressed",
+    };
+    let documents = k.documents_topic.replace("{topic_prefix}", &k.topic_prefix);
+    let _ = writeln!(
+        out,
+        "writes `{name}` (kafka): {} topics {}.{{schema}}.{{table}} (Debezium JSON, tombstones after deletes), \
+         documents to {documents}; idempotent, acks=all, {compression}, delivered within {} ms",
+        shown(loaded, &format!("sinks.{name}.brokers"), &k.brokers),
+        k.topic_prefix,
+        k.delivery_timeout_ms
+    );
+    for (key, value) in &k.properties {
+        let path = format!("sinks.{name}.properties.{key}");
+        let value = if is_secret_property(key) {
+            "***".to_owned()
+        } else {
+            shown(loaded, &path, value)
+        };
+        let _ = writeln!(out, "             {key} = {value}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use refract_schemas::config::load_str;
+
+    use super::*;
+
+    #[test]
+    fn secret_properties_are_masked() {
+        let text = r#"
+[pipeline]
+name = "k"
+[source]
+kind = "file"
+path = "/tmp/x.jsonl"
+[projections.r]
+kind = "relay"
+sinks = ["k"]
+[sinks.k]
+kind = "kafka"
+brokers = "b:9092"
+topic_prefix = "shop"
+properties = { "security.protocol" = "SASL_SSL", "sasl.username" = "refract", "sasl.password" = "hunter2", "ssl.key.password" = "swordfish", "sasl.jaas.config" = "x password=y", "ssl.ca.location" = "/ca.pem", "client.rack" = "${RACK}" }
+"#;
+        let env = |v: &str| (v == "RACK").then(|| "r1-secretish".to_owned());
+        let loaded = load_str("k.toml", text, &env, None).unwrap();
+        let mut out = String::new();
+        let refract_schemas::config::SinkConfig::Kafka(k) = &loaded.config.sinks["k"] else {
+            panic!("a kafka sink");
+        };
+        render_kafka_sink(&mut out, &loaded, "k", k);
+        for secret in ["hunter2", "swordfish", "password=y"] {
+            assert!(!out.contains(secret), "{secret} shown in:\n{out}");
+        }
+        for shown in [
+            "SASL_SSL",
+            "sasl.username = refract",
+            "/ca.pem",
+            "r1-secretish",
+            "shop.{schema}.{table}",
+        ] {
+            assert!(out.contains(shown), "{shown} missing from:\n{out}");
+        }
+    }
+}
