@@ -8,10 +8,9 @@ use std::path::Path;
 use refract_connectors::sources::postgres::{Inspection, ReplicaIdentity, snapshot};
 use refract_schemas::config::{
     CacheInvalidationProjectionConfig, DocumentProjectionConfig, FileSourceConfig,
-    FlattenProjectionConfig, KafkaFormat, KafkaSourceConfig, LoadedPipeline, ObjectJsonSinkConfig,
-    OnError, ParquetSinkConfig, PostgresSinkConfig, PostgresSourceConfig, ProjectionConfig,
-    RedisDeleteCommand, RedisSinkConfig, ReplicaProjectionConfig, SinkConfig, SnapshotMode,
-    SourceConfig, is_secret_property, mask_url,
+    FlattenProjectionConfig, LoadedPipeline, ObjectJsonSinkConfig, OnError, ParquetSinkConfig,
+    PostgresSinkConfig, PostgresSourceConfig, ProjectionConfig, RedisDeleteCommand,
+    RedisSinkConfig, ReplicaProjectionConfig, SinkConfig, SnapshotMode, SourceConfig, mask_url,
 };
 
 mod kafka;
@@ -112,49 +111,8 @@ fn render_source(out: &mut String, loaded: &LoadedPipeline, check: &SourceCheck,
     match &loaded.config.source {
         SourceConfig::File(f) => render_file_source(out, loaded, f),
         SourceConfig::Postgres(pg) => render_postgres_source(out, loaded, pg, check, state),
-        SourceConfig::Kafka(k) => render_kafka_source(out, loaded, k),
+        SourceConfig::Kafka(k) => kafka::render_kafka_source(out, loaded, k),
     }
-}
-
-/// A Kafka source: brokers, topics, group and format, the pass-through settings (secrets
-/// masked), and how the pipeline scales out over the group.
-fn render_kafka_source(out: &mut String, loaded: &LoadedPipeline, k: &KafkaSourceConfig) {
-    let group = k.group(&loaded.config.pipeline.name);
-    let format = match (k.format, &k.schema_registry) {
-        (KafkaFormat::DebeziumJson, _) => "Debezium JSON".to_owned(),
-        (KafkaFormat::DebeziumAvro, Some(r)) => format!(
-            "Debezium Avro, schemas from {}{}",
-            shown(loaded, "source.schema_registry.url", &r.url),
-            r.fallback_dir
-                .as_deref()
-                .map(|d| format!(" (offline: {d}/{{id}}.avsc)"))
-                .unwrap_or_default()
-        ),
-        (KafkaFormat::DebeziumAvro, None) => "Debezium Avro".to_owned(),
-    };
-    let _ = writeln!(
-        out,
-        "reads  Kafka {} topics {}, {format}, as consumer group `{group}`; offsets committed only \
-         for what every sink made durable",
-        shown(loaded, "source.brokers", &k.brokers),
-        k.topics.join(", "),
-    );
-    for (name, value) in &k.properties {
-        let value = if is_secret_property(name) {
-            "*** (secret)".to_owned()
-        } else {
-            shown(loaded, &format!("source.properties.{name}"), value)
-        };
-        let _ = writeln!(out, "  setting     {name} = {value}");
-    }
-    let _ = writeln!(
-        out,
-        "  scale-out   every `refract run` of this file joins `{group}` and the members share the \
-         partitions; one key stays in one partition, so its changes reach one member, in order. \
-         Projections keep no state across rows here (a `document` projection, which joins \
-         topics, is refused over Kafka), so members can be added or lost at any time: a lost \
-         member's partitions resume at the group's committed offsets on the others"
-    );
 }
 
 /// A file source: its path and current size.

@@ -1,10 +1,11 @@
-//! The plan's lines for a `relay` projection and a `kafka` sink, pass-through producer
-//! properties with their secret values masked.
+//! The plan's lines for a `kafka` source (with how it scales out), a `relay` projection and a
+//! `kafka` sink; pass-through client properties with their secret values masked.
 
 use std::fmt::Write as _;
 
 use refract_schemas::config::{
-    KafkaCompression, KafkaSinkConfig, LoadedPipeline, RelayProjectionConfig, is_secret_property,
+    KafkaCompression, KafkaFormat, KafkaSinkConfig, KafkaSourceConfig, LoadedPipeline,
+    RelayProjectionConfig, is_secret_property,
 };
 
 use super::shown;
@@ -98,4 +99,49 @@ properties = { "security.protocol" = "SASL_SSL", "sasl.username" = "refract", "s
             assert!(out.contains(shown), "{shown} missing from:\n{out}");
         }
     }
+}
+
+/// A Kafka source: brokers, topics, group and format, the pass-through settings (secrets
+/// masked), and how the pipeline scales out over the group.
+pub(super) fn render_kafka_source(
+    out: &mut String,
+    loaded: &LoadedPipeline,
+    k: &KafkaSourceConfig,
+) {
+    let group = k.group(&loaded.config.pipeline.name);
+    let format = match (k.format, &k.schema_registry) {
+        (KafkaFormat::DebeziumJson, _) => "Debezium JSON".to_owned(),
+        (KafkaFormat::DebeziumAvro, Some(r)) => format!(
+            "Debezium Avro, schemas from {}{}",
+            shown(loaded, "source.schema_registry.url", &r.url),
+            r.fallback_dir
+                .as_deref()
+                .map(|d| format!(" (offline: {d}/{{id}}.avsc)"))
+                .unwrap_or_default()
+        ),
+        (KafkaFormat::DebeziumAvro, None) => "Debezium Avro".to_owned(),
+    };
+    let _ = writeln!(
+        out,
+        "reads  Kafka {} topics {}, {format}, as consumer group `{group}`; offsets committed only \
+         for what every sink made durable",
+        shown(loaded, "source.brokers", &k.brokers),
+        k.topics.join(", "),
+    );
+    for (name, value) in &k.properties {
+        let value = if is_secret_property(name) {
+            "*** (secret)".to_owned()
+        } else {
+            shown(loaded, &format!("source.properties.{name}"), value)
+        };
+        let _ = writeln!(out, "  setting     {name} = {value}");
+    }
+    let _ = writeln!(
+        out,
+        "  scale-out   every `refract run` of this file joins `{group}` and the members share the \
+         partitions; one key stays in one partition, so its changes reach one member, in order. \
+         Projections keep no state across rows here (a `document` projection, which joins \
+         topics, is refused over Kafka), so members can be added or lost at any time: a lost \
+         member's partitions resume at the group's committed offsets on the others"
+    );
 }
