@@ -132,6 +132,13 @@ fn relay_killed_again_and_again_under_load_loses_nothing_downstream() {
     let kills_wanted = if in_ci() { 10 } else { 15 };
     fresh_table(rows);
     let cluster = common::kafka::cluster(&[&format!("{PREFIX}.public.{TABLE}")], PARTITIONS);
+    // A slow network: a message is acknowledged 100 ms after it is sent, so a relay that
+    // confirmed the slot before its messages were acknowledged would lose them to the kills.
+    for broker in 1..=3 {
+        cluster
+            .broker_round_trip_time(broker, Duration::from_millis(100))
+            .expect("round-trip time set");
+    }
     let brokers = cluster.bootstrap_servers();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
