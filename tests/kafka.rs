@@ -206,15 +206,13 @@ fn kafka_source(brokers: &str, topic: &str, group: &str, extra: &str) -> String 
     )
 }
 
-#[test]
-fn json_topics_give_the_file_sources_read_model_value_for_value() {
-    let dir = tempfile::tempdir().unwrap();
-    let changes = changes();
-    let log = dir.path().join("changes.jsonl");
-    std::fs::write(&log, change_log(&changes)).unwrap();
-    let from_file = dir.path().join("from-file");
+/// The read model the file source builds from the changes written as a change log.
+fn file_read_model(dir: &Path, changes: &[Change]) -> BTreeMap<(String, String), Value> {
+    let log = dir.join("changes.jsonl");
+    std::fs::write(&log, change_log(changes)).unwrap();
+    let from_file = dir.join("from-file");
     catch_up(&pipeline(
-        dir.path(),
+        dir,
         "file",
         &format!(
             "kind = \"file\"\npath = \"{}\"\nfollow = false",
@@ -222,7 +220,14 @@ fn json_topics_give_the_file_sources_read_model_value_for_value() {
         ),
         &from_file,
     ));
-    let expected = read_output(&from_file);
+    read_output(&from_file)
+}
+
+#[test]
+fn json_topics_give_the_file_sources_read_model_value_for_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let changes = changes();
+    let expected = file_read_model(dir.path(), &changes);
     assert_eq!(expected.len(), 60 - 8, "live prices from the file");
     let some = &expected[&("prices".to_string(), "3".to_string())];
     assert_eq!(
@@ -301,19 +306,7 @@ fn avro_source(brokers: &str, topic: &str, group: &str, registry: &TestRegistry)
 fn avro_topics_give_the_file_sources_read_model_value_for_value() {
     let dir = tempfile::tempdir().unwrap();
     let changes = changes();
-    let log = dir.path().join("changes.jsonl");
-    std::fs::write(&log, change_log(&changes)).unwrap();
-    let from_file = dir.path().join("from-file");
-    catch_up(&pipeline(
-        dir.path(),
-        "file",
-        &format!(
-            "kind = \"file\"\npath = \"{}\"\nfollow = false",
-            log.display()
-        ),
-        &from_file,
-    ));
-    let expected = read_output(&from_file);
+    let expected = file_read_model(dir.path(), &changes);
 
     let topic = "db.public.prices";
     let cluster = kafka::cluster(&[topic], PARTITIONS);

@@ -1,7 +1,8 @@
 //! PostgreSQL -> relay -> Kafka sink -> Kafka source -> replica: refract as a Debezium without a
 //! JVM. After the initial snapshot, under a pgbench load of inserts, updates and deletes, the
 //! relay is SIGKILLed again and again; a second process reads the topic into documents; at the
-//! end the documents equal the table, row for row.
+//! end the documents equal the table, row for row. Then every broker goes down for 10 s while
+//! both processes run: they retry, and again nothing is lost.
 
 mod common;
 
@@ -10,13 +11,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::pg::{catch_up, drop_slot, psql, url};
+use common::pg::{catch_up, drop_slot, pgbench, psql, url};
 use common::{Rng, Running, in_ci, quiet_daemon, read_output, read_output_live};
 use serde_json::Value;
 
 const TABLE: &str = "kafka_relay_items";
 const PREFIX: &str = "relay";
 const PARTITIONS: i32 = 6;
+/// How long every broker is down while the relay produces and the reader consumes.
+const BROKER_OUTAGE: Duration = Duration::from_secs(10);
 
 fn fresh_table(rows: u64) {
     drop_slot(TABLE);
@@ -76,20 +79,6 @@ fn reader_pipeline(dir: &Path, brokers: &str, out: &Path) -> PathBuf {
             out = out.display(),
         ),
     )
-}
-
-/// pgbench from the PostgreSQL installation (not always on PATH).
-fn pgbench() -> PathBuf {
-    let out = Command::new("sh")
-        .args([
-            "-c",
-            "command -v pgbench || ls /usr/lib/postgresql/*/bin/pgbench | sort -V | tail -1",
-        ])
-        .output()
-        .expect("sh runs");
-    let path = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-    assert!(!path.is_empty(), "pgbench not found");
-    path.into()
 }
 
 /// Inserts, updates and deletes at `rate` transactions/s for `seconds`.
@@ -166,6 +155,27 @@ fn relay_killed_again_and_again_under_load_loses_nothing_downstream() {
             "the relay kept exiting by itself"
         );
     }
+    // Every broker down for 10 s while the relay produces and the reader consumes, the load
+    // still writing: both retry, and nothing is lost.
+    let mut daemon = quiet_daemon(&relay);
+    std::thread::sleep(Duration::from_secs(1));
+    for broker in 1..=3 {
+        cluster.broker_down(broker).expect("broker down");
+    }
+    std::thread::sleep(BROKER_OUTAGE);
+    for broker in 1..=3 {
+        cluster.broker_up(broker).expect("broker up");
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        daemon.child().try_wait().unwrap().is_none(),
+        "the relay rode out the outage"
+    );
+    daemon.terminate();
+    assert!(
+        daemon.child().wait().unwrap().success(),
+        "the relay stops cleanly after the outage"
+    );
     let live_documents = read_output_live(&out).len();
     let load_running = writes.child().try_wait().unwrap().is_none();
     writes.child().kill().unwrap();
@@ -189,7 +199,7 @@ fn relay_killed_again_and_again_under_load_loses_nothing_downstream() {
         &diff[..diff.len().min(5)]
     );
     eprintln!(
-        "relay: {rows} rows snapshotted, {kills} SIGKILLs under load (load still running: {load_running}), \
+        "relay: {rows} rows snapshotted, {kills} SIGKILLs and a {BROKER_OUTAGE:?} outage of every broker under load (load still running: {load_running}), \
          {live_documents} documents while it ran; {} rows equal downstream",
         expected.len()
     );

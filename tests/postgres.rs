@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::pg::{drop_slot, psql, url as pg_url};
+use common::pg::{drop_slot, pgbench, psql, url as pg_url};
 use common::*;
 use serde_json::Value;
 
@@ -331,23 +331,6 @@ fn size(ci: u64, full: u64) -> u64 {
             .and_then(|v| v.parse().ok())
             .unwrap_or(full)
     }
-}
-
-/// pgbench from the PostgreSQL installation (not always on PATH).
-fn pgbench() -> std::path::PathBuf {
-    if let Ok(out) = Command::new("sh")
-        .args([
-            "-c",
-            "command -v pgbench || ls /usr/lib/postgresql/*/bin/pgbench | sort -V | tail -1",
-        ])
-        .output()
-    {
-        let path = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-        if !path.is_empty() {
-            return path.into();
-        }
-    }
-    panic!("pgbench not found");
 }
 
 /// A fresh table of `rows` rows (no note).

@@ -394,6 +394,23 @@ pub mod pg {
         )
     }
 
+    /// pgbench from the PostgreSQL installation (not always on PATH).
+    pub fn pgbench() -> std::path::PathBuf {
+        if let Ok(out) = Command::new("sh")
+            .args([
+                "-c",
+                "command -v pgbench || ls /usr/lib/postgresql/*/bin/pgbench | sort -V | tail -1",
+            ])
+            .output()
+        {
+            let path = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+            if !path.is_empty() {
+                return path.into();
+            }
+        }
+        panic!("pgbench not found");
+    }
+
     pub fn url() -> String {
         std::env::var("PG_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/refract".into())
