@@ -1,6 +1,7 @@
-//! The topic's content: changes of the showcase `public.products` table
-//! (../shared/showcase/products.sql) as Debezium's PostgreSQL connector writes them, keyed by
-//! `id`: 70% creates, 25% updates (full old and new rows: the table has REPLICA IDENTITY FULL),
+//! The topics' content: changes of the showcase `products` table
+//! (../shared/showcase/products.sql), one copy of the table per tenant schema `t{k}` and so one
+//! topic `{prefix}.t{k}.products` per tenant, as Debezium's PostgreSQL connector writes them,
+//! keyed by `id`: 70% creates, 25% updates (full old and new rows: the table has REPLICA IDENTITY FULL),
 //! 5% deletes, each delete followed by its tombstone, as Debezium does by default. Deterministic
 //! for a given N. Two encodings of the same changes: JsonConverter without schemas (a bare
 //! envelope of 400-600 bytes) and AvroConverter (Confluent-framed, schemas in a registry).
@@ -11,8 +12,8 @@ use apache_avro::types::Value as AvroValue;
 use refract_schemas::avro::{connect_to_avro, encode_confluent};
 use serde_json::{Value, json};
 
-/// The Debezium server name (`topic.prefix`) of the fixture's "connector".
-pub const SERVER: &str = "dbserver1";
+/// The Debezium server name (`topic.prefix`) in the envelopes' `source.name`.
+const SERVER: &str = "dbserver1";
 
 /// A message: key and value bytes; a tombstone has no value.
 pub type Message = (Vec<u8>, Option<Vec<u8>>);
@@ -27,6 +28,13 @@ pub struct Counts {
 }
 
 impl Counts {
+    pub fn add(&mut self, other: Counts) {
+        self.creates += other.creates;
+        self.updates += other.updates;
+        self.deletes += other.deletes;
+        self.tombstones += other.tombstones;
+    }
+
     pub fn messages(&self) -> u64 {
         self.creates + self.updates + self.deletes + self.tombstones
     }
@@ -38,9 +46,10 @@ pub struct Change {
     pub value: Option<Value>,
 }
 
-/// Calls `each` with `n` messages' worth of changes (a delete and its tombstone are two).
-pub fn changes(n: u64, mut each: impl FnMut(Change)) -> Counts {
-    let mut next = xorshift(0x5851_F42D_4C95_7F2Du64);
+/// Calls `each` with `n` messages' worth of changes of `{schema}.products` (a delete and its
+/// tombstone are two).
+pub fn changes(n: u64, schema: &str, mut each: impl FnMut(Change)) -> Counts {
+    let mut next = xorshift(0x5851_F42D_4C95_7F2Du64 ^ n ^ schema.len() as u64);
     let mut counts = Counts::default();
     let mut created = 0u64;
     let mut i = 0u64;
@@ -69,7 +78,7 @@ pub fn changes(n: u64, mut each: impl FnMut(Change)) -> Counts {
         };
         each(Change {
             key: json!({ "id": id }),
-            value: Some(envelope(op, before, after, i)),
+            value: Some(envelope(schema, op, before, after, i)),
         });
         if op == "d" {
             counts.tombstones += 1;
@@ -100,8 +109,8 @@ fn row(id: u64, r: u64, i: u64) -> Value {
     })
 }
 
-/// The envelope Debezium 2.x's PostgreSQL connector writes for change `i`.
-fn envelope(op: &str, before: Value, after: Value, i: u64) -> Value {
+/// The envelope Debezium 2.x's PostgreSQL connector writes for change `i` of `{schema}.products`.
+fn envelope(schema: &str, op: &str, before: Value, after: Value, i: u64) -> Value {
     let lsn = 24_023_928 + i * 312;
     let ts = 1_788_000_000_000u64 + i / 8;
     json!({
@@ -111,7 +120,7 @@ fn envelope(op: &str, before: Value, after: Value, i: u64) -> Value {
             "version": "2.7.3.Final", "connector": "postgresql", "name": SERVER,
             "ts_ms": ts, "snapshot": "false", "db": "shop",
             "sequence": format!("[\"{}\",\"{lsn}\"]", lsn - 312),
-            "schema": "public", "table": "products", "txId": 1000 + i, "lsn": lsn, "xmin": null
+            "schema": schema, "table": "products", "txId": 1000 + i, "lsn": lsn, "xmin": null
         },
         "op": op,
         "ts_ms": ts + 3,
@@ -119,9 +128,9 @@ fn envelope(op: &str, before: Value, after: Value, i: u64) -> Value {
     })
 }
 
-/// The topic Debezium writes `public.products` to, under the topic prefix `prefix`.
-pub fn topic(prefix: &str) -> String {
-    format!("{prefix}.public.products")
+/// The topic Debezium writes `{schema}.products` to, under the topic prefix `prefix`.
+pub fn topic(prefix: &str, schema: &str) -> String {
+    format!("{prefix}.{schema}.products")
 }
 
 /// JsonConverter with `schemas.enable=false`: key and value as bare JSON.
@@ -143,8 +152,9 @@ pub struct AvroEncoding {
 type Encoder = (u32, &'static Schema, ResolvedSchema<'static>);
 
 impl AvroEncoding {
-    /// Schema ids 1 (key) and 2 (value); `register` is given each id and schema text.
-    pub fn new(mut register: impl FnMut(u32, String)) -> Self {
+    /// The schemas of `{schema}.products`' topic under the topic prefix `prefix`, ids `first_id`
+    /// (key) and `first_id + 1` (value); `register` is given each id and schema text.
+    pub fn new(prefix: &str, schema: &str, first_id: u32, mut register: impl FnMut(u32, String)) -> Self {
         let mut make = |id: u32, connect: Value, sample: Value| {
             let (schema, _) = connect_to_avro(&connect, &sample).expect("Connect schema to Avro");
             register(id, serde_json::to_string(&schema).expect("schema text"));
@@ -152,10 +162,11 @@ impl AvroEncoding {
             let names = ResolvedSchema::try_from(schema).expect("schema names");
             (id, schema, names)
         };
-        let sample = envelope("c", Value::Null, row(1, 1, 0), 0);
+        let sample = envelope(schema, "c", Value::Null, row(1, 1, 0), 0);
+        let name = format!("{prefix}.{schema}.products");
         Self {
-            key: make(1, key_schema(), json!({"id": 1})),
-            value: make(2, envelope_schema(), sample),
+            key: make(first_id, key_schema(&name), json!({"id": 1})),
+            value: make(first_id + 1, envelope_schema(&name), sample),
         }
     }
 
@@ -174,16 +185,16 @@ impl AvroEncoding {
     }
 }
 
-fn key_schema() -> Value {
-    json!({"type": "struct", "optional": false, "name": format!("{SERVER}.public.products.Key"),
+fn key_schema(name: &str) -> Value {
+    json!({"type": "struct", "optional": false, "name": format!("{name}.Key"),
            "fields": [{"field": "id", "type": "int64", "optional": false}]})
 }
 
 /// The Kafka Connect schema of the envelope, as JsonConverter with schemas would write it.
-fn envelope_schema() -> Value {
+fn envelope_schema(name: &str) -> Value {
     let row = |field: &str| {
         json!({"field": field, "type": "struct", "optional": true,
-               "name": format!("{SERVER}.public.products.Value"), "fields": [
+               "name": format!("{name}.Value"), "fields": [
             {"field": "id", "type": "int64", "optional": false},
             {"field": "tenant_id", "type": "string", "optional": false},
             {"field": "sku", "type": "string", "optional": false},
@@ -196,7 +207,7 @@ fn envelope_schema() -> Value {
     let field = |name: &str, ty: &str, optional: bool| {
         json!({"field": name, "type": ty, "optional": optional})
     };
-    json!({"type": "struct", "optional": false, "name": format!("{SERVER}.public.products.Envelope"),
+    json!({"type": "struct", "optional": false, "name": format!("{name}.Envelope"),
         "fields": [
             row("before"),
             row("after"),

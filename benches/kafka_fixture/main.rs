@@ -1,8 +1,9 @@
 //! The Kafka consume benchmark's fixture (benches/kafka_consume.sh): starts librdkafka's mock
-//! cluster in this process (3 brokers, the real Kafka protocol on loopback), fills a 6-partition
-//! topic per format with N Debezium change events of the showcase `products` table
-//! (`changes.rs`), then times, in interleaved rounds, two child processes draining the topic in
-//! a consumer group of their own:
+//! cluster in this process (3 brokers, the real Kafka protocol on loopback), fills 6-partition
+//! topics per format with N Debezium change events of the showcase `products` table
+//! (`changes.rs`; one topic per tenant schema, as the mock keeps only 5 MiB per partition), then
+//! times, in interleaved rounds, two child processes draining the topics (one regex
+//! subscription) in a consumer group of their own:
 //!   - the baseline: this binary's `drain`, a bare rdkafka `BaseConsumer` with the Kafka source's
 //!     group settings (no auto commit, no auto offset store, read_committed) that only counts
 //!     the messages and their bytes, then commits once;
@@ -11,7 +12,7 @@
 //! It prints `figure / baseline = ratio` per format, and both peak RSS (`/usr/bin/time`).
 //!
 //! Usage: kafka-fixture bench REFRACT WORK_DIR N [json] [avro]   (ROUNDS, default 3)
-//!        kafka-fixture drain BROKERS TOPIC GROUP N
+//!        kafka-fixture drain BROKERS TOPIC_OR_PATTERN GROUP N
 
 mod changes;
 mod registry;
@@ -27,10 +28,16 @@ use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 
 use changes::{AvroEncoding, Counts, Message};
 
+type Cluster<'c> = rdkafka::mocking::MockCluster<'c, rdkafka::producer::DefaultProducerContext>;
+
 /// Partitions of each topic, as issue 22 asks.
 const PARTITIONS: i32 = 6;
 /// Mock brokers: partition leaders spread over three connections, as on a real cluster.
 const BROKERS: i32 = 3;
+/// Messages per topic: librdkafka's mock broker keeps at most 5 MiB of each partition (fixed in
+/// rdkafka_mock.c; older message sets are dropped), so N messages are spread over as many
+/// topics of [`PARTITIONS`] partitions as keep every partition under about 4 MiB.
+const PER_TOPIC: &[(&str, u64)] = &[("json", 40_000), ("avro", 90_000)];
 /// A drain that takes longer than this has hung (a group that never gets its partitions).
 const DRAIN_DEADLINE: Duration = Duration::from_secs(600);
 
@@ -101,9 +108,11 @@ fn drain(brokers: &str, topic: &str, group: &str, n: u64) -> Result<(), String> 
     Ok(())
 }
 
-/// A filled topic.
-struct Topic {
-    name: String,
+/// The filled topics of one format.
+struct Topics {
+    /// The subscription: a regular expression matching every topic.
+    pattern: String,
+    topics: usize,
     counts: Counts,
     value_bytes: u64,
     registry: Option<String>,
@@ -129,11 +138,11 @@ fn bench(refract: &Path, work: &Path, n: u64, formats: &[&str]) {
     let brokers = cluster.bootstrap_servers();
     let rounds: usize = std::env::var("ROUNDS").map_or(3, |r| r.parse().expect("ROUNDS"));
     for format in formats {
-        let topic = fill(&producer, &cluster, format, n);
+        let topics = fill(&producer, &cluster, format, n);
         let mut figures = Figures::default();
         for round in 1..=rounds {
-            let base = || figures_of(run_drain(work, &brokers, &topic, format, round, n));
-            let refr = || figures_of(run_refract(refract, work, &brokers, &topic, format, round));
+            let base = || figures_of(run_drain(work, &brokers, &topics, format, round, n));
+            let refr = || figures_of(run_refract(refract, work, &brokers, &topics, format, round));
             let (b, r) = if round % 2 == 1 {
                 let b = base();
                 (b, refr())
@@ -148,53 +157,67 @@ fn bench(refract: &Path, work: &Path, n: u64, formats: &[&str]) {
             figures.refract.push(r);
             figures.base.push(b);
         }
-        figures.report(format, &topic, n, rounds);
+        figures.report(format, &topics, n, rounds);
     }
 }
 
-/// Produces the topic of `format`; returns it with its counts.
-fn fill(
-    producer: &BaseProducer,
-    cluster: &rdkafka::mocking::MockCluster<'_, rdkafka::producer::DefaultProducerContext>,
-    format: &str,
-    n: u64,
-) -> Topic {
+/// Produces the topics of `format`, [`PER_TOPIC`] messages each, and checks that the mock kept
+/// every one.
+fn fill(producer: &BaseProducer, cluster: &Cluster<'_>, format: &str, n: u64) -> Topics {
     let started = Instant::now();
-    let mut schemas = Vec::new();
-    let (name, avro) = match format {
-        "json" => (changes::topic(changes::SERVER), None),
-        "avro" => (
-            changes::topic(&format!("{}_avro", changes::SERVER)),
-            Some(AvroEncoding::new(|id, text| schemas.push((id, text)))),
-        ),
+    let prefix = match format {
+        "json" => "dbserver1",
+        "avro" => "dbserver1_avro",
         other => panic!("unknown format {other:?}: json or avro"),
     };
-    cluster
-        .create_topic(&name, PARTITIONS, BROKERS)
-        .expect("topic created");
-    let mut value_bytes = 0u64;
-    let counts = changes::changes(n, |change| {
-        let message = match &avro {
-            None => changes::json_message(&change),
-            Some(a) => a.message(&change),
-        };
-        value_bytes += message.1.as_ref().map_or(0, |v| v.len() as u64);
-        send(producer, &name, &message);
-    });
+    let per_topic = PER_TOPIC.iter().find(|(f, _)| *f == format).map_or(1, |p| p.1);
+    let mut schemas = Vec::new();
+    let (mut counts, mut value_bytes, mut names) = (Counts::default(), 0u64, Vec::new());
+    while counts.messages() < n {
+        let tenant = format!("t{}", names.len());
+        let name = changes::topic(prefix, &tenant);
+        let avro = (format == "avro").then(|| {
+            let first_id = 1 + 2 * names.len() as u32;
+            AvroEncoding::new(prefix, &tenant, first_id, |id, text| schemas.push((id, text)))
+        });
+        cluster
+            .create_topic(&name, PARTITIONS, BROKERS)
+            .expect("topic created");
+        let these = per_topic.min(n - counts.messages());
+        counts.add(changes::changes(these, &tenant, |change| {
+            let message = match &avro {
+                None => changes::json_message(&change),
+                Some(a) => a.message(&change),
+            };
+            value_bytes += message.1.as_ref().map_or(0, |v| v.len() as u64);
+            send(producer, &name, &message);
+        }));
+        names.push(name);
+    }
     producer
         .flush(Duration::from_secs(120))
         .expect("every message acknowledged");
+    for name in &names {
+        for p in 0..PARTITIONS {
+            let (low, _) = producer
+                .client()
+                .fetch_watermarks(name, p, Duration::from_secs(10))
+                .expect("watermarks");
+            assert_eq!(low, 0, "the mock cluster dropped the start of {name}/{p}: lower PER_TOPIC");
+        }
+    }
     println!(
-        "produced {} {format} messages to {name} in {:.1}s",
+        "produced {} {format} messages to {} topics in {:.1}s",
         counts.messages(),
+        names.len(),
         started.elapsed().as_secs_f64()
     );
-    let registry = avro.map(|_| registry::serve(schemas));
-    Topic {
-        name,
+    Topics {
+        pattern: format!("^{}\\.t[0-9]+\\.products$", prefix),
+        topics: names.len(),
         counts,
         value_bytes,
-        registry,
+        registry: (format == "avro").then(|| registry::serve(schemas)),
     }
 }
 
@@ -258,7 +281,7 @@ fn figures_of(run: Result<Run, String>) -> Run {
 fn run_drain(
     work: &Path,
     brokers: &str,
-    topic: &Topic,
+    topics: &Topics,
     format: &str,
     round: usize,
     n: u64,
@@ -269,7 +292,7 @@ fn run_drain(
         Command::new(me).args([
             "drain",
             brokers,
-            &topic.name,
+            &topics.pattern,
             &format!("bench-bare-{format}-{round}"),
             &n.to_string(),
         ]),
@@ -280,23 +303,23 @@ fn run_refract(
     refract: &Path,
     work: &Path,
     brokers: &str,
-    topic: &Topic,
+    topics: &Topics,
     format: &str,
     round: usize,
 ) -> Result<Run, String> {
     let state = work.join(format!("state-{format}"));
     let _ = std::fs::remove_dir_all(&state);
-    let registry = topic.registry.as_ref().map_or(String::new(), |url| {
+    let registry = topics.registry.as_ref().map_or(String::new(), |url| {
         format!("[source.schema_registry]\nurl = \"{url}\"\n")
     });
     let pipeline = format!(
         "[pipeline]\nname = \"bench-kafka-{format}\"\nstate_dir = \"{state}\"\n\
-         [source]\nkind = \"kafka\"\nbrokers = \"{brokers}\"\ntopics = [\"{topic}\"]\n\
+         [source]\nkind = \"kafka\"\nbrokers = \"{brokers}\"\ntopics = ['{pattern}']\n\
          group_id = \"bench-refract-{format}-{round}\"\nformat = \"debezium_{format}\"\n{registry}\
          [projections.replica]\nkind = \"replica\"\nsinks = [\"null\"]\n\
          [sinks.null]\nkind = \"null\"\n",
         state = state.display(),
-        topic = topic.name,
+        pattern = topics.pattern,
     );
     let path = work.join(format!("kafka-{format}.toml"));
     std::fs::write(&path, pipeline).map_err(|e| e.to_string())?;
@@ -311,7 +334,7 @@ fn run_refract(
             .arg(&summary)
             .env("RUST_LOG", "warn"),
     )?;
-    check_summary(&summary, &topic.counts)?;
+    check_summary(&summary, &topics.counts)?;
     Ok(run)
 }
 
@@ -343,25 +366,26 @@ struct Figures {
 }
 
 impl Figures {
-    fn report(&self, format: &str, topic: &Topic, n: u64, rounds: usize) {
+    fn report(&self, format: &str, topics: &Topics, n: u64, rounds: usize) {
         let best = |runs: &[Run], f: fn(&Run) -> f64| runs.iter().map(f).fold(f64::MAX, f64::min);
         let (rw, bw) = (best(&self.refract, |r| r.0), best(&self.base, |r| r.0));
         let (rc, bc) = (best(&self.refract, |r| r.2), best(&self.base, |r| r.2));
         let rss = |runs: &[Run]| runs.iter().map(|r| r.1).max().unwrap_or(0) as f64 / 1024.0;
         let n = n as f64;
-        let c = &topic.counts;
+        let c = &topics.counts;
         println!(
-            "\ntopic {}: {} messages ({} creates, {} updates, {} deletes, {} tombstones), \
-             values {:.1} MiB ({:.0} B each); {PARTITIONS} partitions on {BROKERS} mock brokers; \
-             best of {rounds} rounds on {} cores",
-            topic.name,
+            "\ntopics {} ({} topics of {PARTITIONS} partitions on {BROKERS} mock brokers): \
+             {} messages ({} creates, {} updates, {} deletes, {} tombstones), \
+             values {:.1} MiB ({:.0} B each); best of {rounds} rounds on {} cores",
+            topics.pattern,
+            topics.topics,
             c.messages(),
             c.creates,
             c.updates,
             c.deletes,
             c.tombstones,
-            topic.value_bytes as f64 / 1048576.0,
-            topic.value_bytes as f64 / (c.messages() - c.tombstones) as f64,
+            topics.value_bytes as f64 / 1048576.0,
+            topics.value_bytes as f64 / (c.messages() - c.tombstones) as f64,
             std::thread::available_parallelism().map_or(0, |p| p.get()),
         );
         println!(
