@@ -96,7 +96,14 @@ pub fn changes(n: u64, schema: &str, mut each: impl FnMut(Change)) -> Counts {
 /// ZonedTimestamp string for `timestamptz`).
 fn row(id: u64, r: u64, i: u64) -> Value {
     let colours = ["red", "blue", "green", "black", "white", "graphite", "sand"];
-    let things = ["kettle", "lamp", "backpack", "notebook", "mug", "headphones"];
+    let things = [
+        "kettle",
+        "lamp",
+        "backpack",
+        "notebook",
+        "mug",
+        "headphones",
+    ];
     let ts = 1_000_000 + i;
     json!({
         "id": id,
@@ -137,7 +144,10 @@ pub fn topic(prefix: &str, schema: &str) -> String {
 pub fn json_message(change: &Change) -> Message {
     (
         serde_json::to_vec(&change.key).expect("JSON"),
-        change.value.as_ref().map(|v| serde_json::to_vec(v).expect("JSON")),
+        change
+            .value
+            .as_ref()
+            .map(|v| serde_json::to_vec(v).expect("JSON")),
     )
 }
 
@@ -154,7 +164,12 @@ type Encoder = (u32, &'static Schema, ResolvedSchema<'static>);
 impl AvroEncoding {
     /// The schemas of `{schema}.products`' topic under the topic prefix `prefix`, ids `first_id`
     /// (key) and `first_id + 1` (value); `register` is given each id and schema text.
-    pub fn new(prefix: &str, schema: &str, first_id: u32, mut register: impl FnMut(u32, String)) -> Self {
+    pub fn new(
+        prefix: &str,
+        schema: &str,
+        first_id: u32,
+        mut register: impl FnMut(u32, String),
+    ) -> Self {
         let mut make = |id: u32, connect: Value, sample: Value| {
             let (schema, _) = connect_to_avro(&connect, &sample).expect("Connect schema to Avro");
             register(id, serde_json::to_string(&schema).expect("schema text"));
@@ -204,30 +219,28 @@ fn envelope_schema(name: &str) -> Value {
              "name": "io.debezium.time.ZonedTimestamp", "version": 1}
         ]})
     };
-    let field = |name: &str, ty: &str, optional: bool| {
-        json!({"field": name, "type": ty, "optional": optional})
-    };
+    let field = |name: &str, ty: &str, optional: bool| json!({"field": name, "type": ty, "optional": optional});
     json!({"type": "struct", "optional": false, "name": format!("{name}.Envelope"),
-        "fields": [
-            row("before"),
-            row("after"),
-            {"field": "source", "type": "struct", "optional": false,
-             "name": "io.debezium.connector.postgresql.Source", "fields": [
-                field("version", "string", false), field("connector", "string", false),
-                field("name", "string", false), field("ts_ms", "int64", false),
-                field("snapshot", "string", true), field("db", "string", false),
-                field("sequence", "string", true), field("schema", "string", false),
-                field("table", "string", false), field("txId", "int64", true),
-                field("lsn", "int64", true), field("xmin", "int64", true)
-            ]},
-            field("op", "string", false),
-            field("ts_ms", "int64", true),
-            {"field": "transaction", "type": "struct", "optional": true,
-             "name": "event.block", "fields": [
-                field("id", "string", false), field("total_order", "int64", false),
-                field("data_collection_order", "int64", false)
-            ]}
-        ]})
+    "fields": [
+        row("before"),
+        row("after"),
+        {"field": "source", "type": "struct", "optional": false,
+         "name": "io.debezium.connector.postgresql.Source", "fields": [
+            field("version", "string", false), field("connector", "string", false),
+            field("name", "string", false), field("ts_ms", "int64", false),
+            field("snapshot", "string", true), field("db", "string", false),
+            field("sequence", "string", true), field("schema", "string", false),
+            field("table", "string", false), field("txId", "int64", true),
+            field("lsn", "int64", true), field("xmin", "int64", true)
+        ]},
+        field("op", "string", false),
+        field("ts_ms", "int64", true),
+        {"field": "transaction", "type": "struct", "optional": true,
+         "name": "event.block", "fields": [
+            field("id", "string", false), field("total_order", "int64", false),
+            field("data_collection_order", "int64", false)
+        ]}
+    ]})
 }
 
 /// A xorshift64 generator: deterministic, fast, good enough to vary the rows.

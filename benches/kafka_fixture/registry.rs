@@ -9,7 +9,10 @@ use std::sync::Arc;
 /// Starts serving `schemas` (id, Avro schema text); returns the base URL.
 pub fn serve(schemas: Vec<(u32, String)>) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").expect("registry port");
-    let url = format!("http://{}", listener.local_addr().expect("registry address"));
+    let url = format!(
+        "http://{}",
+        listener.local_addr().expect("registry address")
+    );
     let schemas = Arc::new(schemas);
     std::thread::spawn(move || {
         for stream in listener.incoming().flatten() {
