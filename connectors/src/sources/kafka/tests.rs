@@ -130,7 +130,7 @@ async fn every_partition_is_read_in_order_and_only_durable_offsets_are_committed
     let (durable_tx, durable_rx) = watch::channel(Checkpoint::new());
     let (mut source, items) = read_all(&brokers, "g1", durable_rx).await;
     assert_eq!(items.len(), 600);
-    let mut last: BTreeMap<String, u64> = BTreeMap::new();
+    let mut home: BTreeMap<u64, String> = BTreeMap::new();
     let mut newest: BTreeMap<String, Offset> = BTreeMap::new();
     for item in &items {
         let Ok(Record::Change(e)) = &item.record else {
@@ -140,8 +140,8 @@ async fn every_partition_is_read_in_order_and_only_durable_offsets_are_committed
         let key = e.key.as_ref().expect("the record key is the event's key");
         let id = key["id"].as_u64().expect("id");
         // A key lives in one partition, and a partition is read in offset order.
-        let previous = last.insert(format!("{id}"), 0);
-        let _ = previous;
+        let first = home.entry(id).or_insert_with(|| partition.clone());
+        assert_eq!(*first, partition, "key {id} stays in one partition");
         if let Some(o) = newest.get(&partition) {
             assert!(e.position.offset > *o, "offsets go forward in {partition}");
         }
