@@ -7,6 +7,7 @@
 //! applies.
 
 use refract_schemas::ChangeEvent;
+use refract_schemas::write::tiers::TierWrite;
 use refract_schemas::write::{DocumentOp, Invalidation, OpFamily, RowChange, WriteOp};
 
 use crate::{SinkBatch, SinkError};
@@ -44,6 +45,18 @@ impl<'a> Intake<'a> for &'a RowChange {
     }
 }
 
+/// Tier writes only.
+impl<'a> Intake<'a> for &'a TierWrite {
+    const FAMILIES: &'static [OpFamily] = &[OpFamily::Tiers];
+
+    fn take(op: &'a WriteOp) -> Option<Self> {
+        match op {
+            WriteOp::Tier(op) => Some(op),
+            _ => None,
+        }
+    }
+}
+
 /// Every family (a sink that discards what it is given).
 impl<'a> Intake<'a> for &'a WriteOp {
     const FAMILIES: &'static [OpFamily] = OpFamily::ALL;
@@ -69,7 +82,7 @@ impl<'a> Intake<'a> for CacheOp<'a> {
         match op {
             WriteOp::Document(op) => Some(CacheOp::Document(op)),
             WriteOp::Invalidate(op) => Some(CacheOp::Invalidate(op)),
-            WriteOp::Row(_) | WriteOp::Change(_) => None,
+            WriteOp::Row(_) | WriteOp::Change(_) | WriteOp::Tier(_) => None,
         }
     }
 }
@@ -90,7 +103,7 @@ impl<'a> Intake<'a> for TopicOp<'a> {
         match op {
             WriteOp::Change(event) => Some(TopicOp::Change(event)),
             WriteOp::Document(op) => Some(TopicOp::Document(op)),
-            WriteOp::Invalidate(_) | WriteOp::Row(_) => None,
+            WriteOp::Invalidate(_) | WriteOp::Row(_) | WriteOp::Tier(_) => None,
         }
     }
 }

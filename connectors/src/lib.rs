@@ -9,6 +9,7 @@ pub mod registry;
 pub mod schema_registry;
 pub mod sinks;
 pub mod sources;
+pub mod tiers;
 
 use async_trait::async_trait;
 use refract_schemas::debezium::DecodeError;

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use refract_schemas::config::{SinkConfig, SourceConfig};
+use refract_schemas::config::{PipelineFile, SinkConfig, SourceConfig};
 use refract_schemas::write::OpFamily;
 
 use crate::sinks::kafka::KafkaSink;
@@ -12,6 +12,7 @@ use crate::sinks::object_json::ObjectJsonSink;
 use crate::sinks::parquet::ParquetSink;
 use crate::sinks::postgres::PostgresSink;
 use crate::sinks::redis::RedisSink;
+use crate::sinks::tiers::TiersSink;
 use crate::sources::file::FileSource;
 use crate::sources::kafka::KafkaSource;
 use crate::sources::postgres::source::PostgresSource;
@@ -26,8 +27,8 @@ pub fn build_source(config: &SourceConfig, context: SourceContext) -> Box<dyn So
     }
 }
 
-/// Builds the sink `name` (not yet opened).
-pub fn build_sink(name: &str, config: &SinkConfig) -> BuiltSink {
+/// Builds the sink `name` of `file` (not yet opened).
+pub fn build_sink(file: &PipelineFile, name: &str, config: &SinkConfig) -> BuiltSink {
     let (sink, unhealthy_after): (Box<dyn crate::Sink>, _) = match config {
         SinkConfig::ObjectJson(c) => (
             Box::new(ObjectJsonSink::new(name, c.clone())),
@@ -49,6 +50,10 @@ pub fn build_sink(name: &str, config: &SinkConfig) -> BuiltSink {
             Box::new(KafkaSink::new(name, c.clone())),
             DEFAULT_UNHEALTHY_AFTER,
         ),
+        SinkConfig::Tiers(_) => (
+            Box::new(TiersSink::new(name, file.tier_layout(name))),
+            DEFAULT_UNHEALTHY_AFTER,
+        ),
         SinkConfig::Null(_) => (Box::new(NullSink::new(name)), DEFAULT_UNHEALTHY_AFTER),
     };
     BuiltSink {
@@ -67,6 +72,7 @@ pub fn accepts(config: &SinkConfig) -> &'static [OpFamily] {
         SinkConfig::Parquet(_) => ParquetSink::ACCEPTS,
         SinkConfig::Postgres(_) => PostgresSink::ACCEPTS,
         SinkConfig::Kafka(_) => KafkaSink::ACCEPTS,
+        SinkConfig::Tiers(_) => TiersSink::ACCEPTS,
         SinkConfig::Null(_) => NullSink::ACCEPTS,
     }
 }

@@ -7,3 +7,4 @@ pub mod object_json;
 pub mod parquet;
 pub mod postgres;
 pub mod redis;
+pub mod tiers;

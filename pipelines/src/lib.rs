@@ -7,4 +7,5 @@ pub mod drop;
 pub mod families;
 pub mod plan;
 pub mod runtime;
+pub mod tiers;
 pub mod verify;

@@ -105,6 +105,13 @@ enum Command {
         /// The pipeline file.
         pipeline: PathBuf,
     },
+    /// The hot, warm and cold tiers of a pipeline's `tiers` sink: aging and queries.
+    Tiers {
+        /// The pipeline file.
+        pipeline: PathBuf,
+        #[command(subcommand)]
+        command: refract::tiers::TiersCommand,
+    },
     /// Print the JSON Schema of pipeline files (committed as schemas/pipeline.schema.json).
     ConfigSchema,
 }
@@ -136,6 +143,9 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
         }
+        Command::Tiers { pipeline, command } => with_pipeline(&pipeline, |loaded, rt| {
+            refract::tiers::run(&loaded, rt, command)
+        }),
         Command::Plan { pipeline } => with_pipeline(&pipeline, |loaded, rt| {
             let check = rt.block_on(refract::plan::check_source(&loaded));
             print!("{}", refract::plan::render(&loaded, &check));

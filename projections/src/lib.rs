@@ -10,6 +10,7 @@ pub mod flatten;
 pub mod relay;
 pub mod replica;
 pub mod state;
+pub mod tiers;
 
 use refract_schemas::config::ProjectionConfig;
 use refract_schemas::{ChangeEvent, Position, TableId};
@@ -122,6 +123,7 @@ pub fn build(config: &ProjectionConfig) -> Box<dyn Projection> {
         ProjectionConfig::Flatten(c) => Box::new(flatten::FlattenProjection::new(c)),
         ProjectionConfig::Document(c) => Box::new(document::DocumentProjection::new(c)),
         ProjectionConfig::Relay(c) => Box::new(relay::RelayProjection::new(c)),
+        ProjectionConfig::Tiers(c) => Box::new(tiers::TiersProjection::new(c)),
     }
 }
 
@@ -136,6 +138,7 @@ pub fn emits(config: &ProjectionConfig) -> &'static [OpFamily] {
         ProjectionConfig::Flatten(_) => flatten::FlattenProjection::EMITS,
         ProjectionConfig::Document(_) => document::DocumentProjection::EMITS,
         ProjectionConfig::Relay(_) => relay::RelayProjection::EMITS,
+        ProjectionConfig::Tiers(_) => tiers::TiersProjection::EMITS,
     }
 }
 

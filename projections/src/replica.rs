@@ -322,6 +322,7 @@ mod tests {
                 WriteOp::Invalidate(i) => format!("I {}", i.key),
                 WriteOp::Row(r) => format!("F {}", r.change.schema.table),
                 WriteOp::Change(e) => format!("C {}", e.table),
+                WriteOp::Tier(w) => format!("H {}", w.heartbeat.device_id),
             })
             .collect())
     }

@@ -59,6 +59,9 @@ fn run_golden(name: &str, projection: &mut dyn Projection) {
                     WriteOp::Change(event) => {
                         json!({"line": i + 1, "change": event.table.to_string(), "op": event.op.code()})
                     }
+                    WriteOp::Tier(w) => {
+                        json!({"line": i + 1, "tier": w.tier.name(), "device": w.heartbeat.device_id, "ts": w.heartbeat.ts_micros, "put": w.action == refract_schemas::write::tiers::TierAction::Put})
+                    }
                 }
                 .to_string(),
             );

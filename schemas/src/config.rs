@@ -13,6 +13,7 @@
 pub mod interpolate;
 mod kafka;
 mod load;
+mod tiers;
 mod validate;
 
 use std::collections::BTreeMap;
@@ -24,6 +25,11 @@ pub use kafka::{
     KAFKA_SOURCE_RESERVED, KafkaFormat, KafkaSourceConfig, KafkaStart, SchemaRegistryConfig,
 };
 pub use load::{ConfigError, ConfigErrors, LoadedPipeline, load, load_str};
+pub use tiers::{
+    ColdTierConfig, DEFAULT_AGING_INTERVAL_MS, DEFAULT_PARTITIONS_AHEAD, HotTierConfig, TierColumn,
+    TierColumnType, TierLayout, TiersProjectionConfig, TiersSinkConfig, WarmTierConfig,
+    parse_window,
+};
 pub use validate::routes::Families;
 pub use validate::{is_secret_property, mask_url};
 
@@ -86,6 +92,15 @@ pub struct PipelineSection {
     /// pipeline runs; none when unset.
     #[serde(default)]
     pub metrics_addr: Option<String>,
+    /// The clock time-based projections (tiers) and the aging job measure age against: `wall`
+    /// (default), a fixed RFC 3339 instant, or `INSTANT xSPEED` for an accelerated clock
+    /// starting at that instant (see [`crate::clock::ClockSpec`]).
+    #[serde(default = "default_clock")]
+    pub clock: String,
+}
+
+fn default_clock() -> String {
+    "wall".into()
 }
 
 fn default_state_dir() -> String {
@@ -272,6 +287,8 @@ pub enum ProjectionConfig {
     /// Every change of its tables relayed as it is, as change events (to a Kafka sink: refract
     /// as a Debezium replacement).
     Relay(RelayProjectionConfig),
+    /// Heartbeats routed by age into hot, warm and cold tiers (a `tiers` sink).
+    Tiers(TiersProjectionConfig),
 }
 
 impl PostgresSourceConfig {
@@ -313,6 +330,7 @@ impl ProjectionConfig {
             ProjectionConfig::Flatten(_) => "flatten",
             ProjectionConfig::Document(_) => "document",
             ProjectionConfig::Relay(_) => "relay",
+            ProjectionConfig::Tiers(_) => "tiers",
         }
     }
 
@@ -324,6 +342,7 @@ impl ProjectionConfig {
             ProjectionConfig::Flatten(c) => &c.sinks,
             ProjectionConfig::Document(c) => &c.sinks,
             ProjectionConfig::Relay(c) => &c.sinks,
+            ProjectionConfig::Tiers(c) => &c.sinks,
         }
     }
 }
@@ -683,6 +702,8 @@ pub enum SinkConfig {
     /// Kafka topics: change events as Debezium envelopes, one topic per table, and documents
     /// keyed for compacted topics.
     Kafka(KafkaSinkConfig),
+    /// Hot (Redis), warm (PostgreSQL hourly partitions) and cold (Parquet) tiers of heartbeats.
+    Tiers(TiersSinkConfig),
     /// Discards everything (benchmarks, dry runs).
     Null(NullSinkConfig),
 }
@@ -696,6 +717,7 @@ impl SinkConfig {
             SinkConfig::Parquet(_) => "parquet",
             SinkConfig::Postgres(_) => "postgres",
             SinkConfig::Kafka(_) => "kafka",
+            SinkConfig::Tiers(_) => "tiers",
             SinkConfig::Null(_) => "null",
         }
     }

@@ -7,6 +7,7 @@
 //! these types.
 
 pub mod avro;
+pub mod clock;
 pub mod config;
 pub mod debezium;
 pub mod event;

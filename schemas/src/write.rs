@@ -12,11 +12,13 @@
 //! that emit it and the sinks that accept it.
 
 pub mod flat;
+pub mod tiers;
 
 use std::sync::Arc;
 
 use crate::{ChangeEvent, Position, Row};
 use flat::FlatChange;
+use tiers::TierWrite;
 
 /// What a sink does with a group of operations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -29,6 +31,8 @@ pub enum OpFamily {
     Rows,
     /// Change events relayed as they are (to a Kafka topic per table): [`WriteOp::Change`].
     Changes,
+    /// Heartbeats routed to the hot, warm and cold tiers: [`TierWrite`].
+    Tiers,
 }
 
 impl OpFamily {
@@ -38,6 +42,7 @@ impl OpFamily {
         OpFamily::Invalidations,
         OpFamily::Rows,
         OpFamily::Changes,
+        OpFamily::Tiers,
     ];
 
     /// The family's name in messages ("documents").
@@ -47,6 +52,7 @@ impl OpFamily {
             OpFamily::Invalidations => "cache invalidations",
             OpFamily::Rows => "flat table rows",
             OpFamily::Changes => "change events",
+            OpFamily::Tiers => "tier writes",
         }
     }
 
@@ -72,6 +78,8 @@ pub enum WriteOp {
     Row(RowChange),
     /// A change event relayed as it is (shared: the sink encodes it, nothing changes it).
     Change(Arc<ChangeEvent>),
+    /// A heartbeat for one tier.
+    Tier(TierWrite),
 }
 
 impl WriteOp {
@@ -82,6 +90,7 @@ impl WriteOp {
             WriteOp::Invalidate(_) => OpFamily::Invalidations,
             WriteOp::Row(_) => OpFamily::Rows,
             WriteOp::Change(_) => OpFamily::Changes,
+            WriteOp::Tier(_) => OpFamily::Tiers,
         }
     }
 
@@ -92,6 +101,7 @@ impl WriteOp {
             WriteOp::Invalidate(op) => &op.position,
             WriteOp::Row(op) => &op.position,
             WriteOp::Change(event) => &event.position,
+            WriteOp::Tier(op) => &op.position,
         }
     }
 }
@@ -176,7 +186,7 @@ mod tests {
         assert_eq!(OpFamily::sentence(&[OpFamily::Rows]), "flat table rows");
         assert_eq!(
             OpFamily::sentence(OpFamily::ALL),
-            "documents, cache invalidations, flat table rows and change events"
+            "documents, cache invalidations, flat table rows, change events and tier writes"
         );
     }
 }

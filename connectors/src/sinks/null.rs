@@ -3,6 +3,7 @@
 use async_trait::async_trait;
 use refract_schemas::Checkpoint;
 use refract_schemas::write::flat::FlatOp;
+use refract_schemas::write::tiers::TierAction;
 use refract_schemas::write::{DocumentOp, OpFamily, WriteOp};
 
 use crate::{Intake, Sink, SinkBatch, SinkError, WriteReport};
@@ -40,6 +41,7 @@ impl Sink for NullSink {
                 WriteOp::Document(op) => matches!(op, DocumentOp::Upsert { .. }),
                 WriteOp::Row(row) => row.change.op == FlatOp::Upsert,
                 WriteOp::Change(event) => event.op != refract_schemas::Op::Delete,
+                WriteOp::Tier(w) => w.action == TierAction::Put,
                 WriteOp::Invalidate(_) => false,
             };
             if upsert {

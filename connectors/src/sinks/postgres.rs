@@ -30,6 +30,29 @@ use crate::{Intake, Sink, SinkBatch, SinkError, WriteReport};
 /// What the PostgreSQL sink accepts: documents.
 type Accepted<'a> = &'a DocumentOp;
 
+/// Connection failures, serialization failures, lack of resources and shutdowns pass; other SQL
+/// errors (a missing privilege, a value PostgreSQL refuses) do not.
+pub(crate) fn classify(sink: &str, what: String, e: tokio_postgres::Error) -> SinkError {
+    let transient = match e.code() {
+        None => true,
+        Some(code) => matches!(&code.code()[..2], "08" | "40" | "53" | "57" | "58"),
+    };
+    let source = Some(Box::new(e) as Box<dyn std::error::Error + Send + Sync>);
+    if transient {
+        SinkError::Transient {
+            sink: sink.to_owned(),
+            message: what,
+            source,
+        }
+    } else {
+        SinkError::Permanent {
+            sink: sink.to_owned(),
+            message: what,
+            source,
+        }
+    }
+}
+
 /// The PostgreSQL sink.
 pub struct PostgresSink {
     name: String,
@@ -65,31 +88,14 @@ impl PostgresSink {
         )
     }
 
-    /// Connection failures, serialization failures, lack of resources and shutdowns pass;
-    /// other SQL errors (a missing privilege, a value PostgreSQL refuses) do not.
+    /// A failure as [`classify`] sees it; a transient one drops the connection, so the next
+    /// attempt reconnects.
     fn classify(&mut self, what: String, e: tokio_postgres::Error) -> SinkError {
-        let transient = match e.code() {
-            None => true,
-            Some(code) => {
-                let class = &code.code()[..2];
-                matches!(class, "08" | "40" | "53" | "57" | "58")
-            }
-        };
-        if transient {
-            // The next attempt reconnects.
+        let error = classify(&self.name, what, e);
+        if error.is_retryable() {
             self.client = None;
-            SinkError::Transient {
-                sink: self.name.clone(),
-                message: what,
-                source: Some(Box::new(e)),
-            }
-        } else {
-            SinkError::Permanent {
-                sink: self.name.clone(),
-                message: what,
-                source: Some(Box::new(e)),
-            }
         }
+        error
     }
 
     async fn connect(&mut self) -> Result<(), SinkError> {

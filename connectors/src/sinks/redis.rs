@@ -23,7 +23,7 @@
 //! file instead, one `redis-cli` line each, and the run's summary says so.
 
 mod command;
-mod connection;
+pub(crate) mod connection;
 
 use std::borrow::Cow;
 use std::collections::HashMap;

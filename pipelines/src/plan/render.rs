@@ -14,6 +14,7 @@ use refract_schemas::config::{
 };
 
 mod kafka;
+mod tiers;
 
 use super::{SourceCheck, findings, pretty_bytes};
 use crate::checkpoint::{CheckpointError, CheckpointStore};
@@ -377,6 +378,7 @@ fn render_projection(out: &mut String, name: &str, p: &ProjectionConfig) {
         ProjectionConfig::Document(d) => render_document(out, name, d),
         ProjectionConfig::Flatten(f) => render_flatten(out, name, f),
         ProjectionConfig::Relay(r) => kafka::render_relay(out, name, r),
+        ProjectionConfig::Tiers(t) => tiers::render_tiers(out, name, t),
     }
 }
 
@@ -474,6 +476,7 @@ fn render_sink(out: &mut String, loaded: &LoadedPipeline, name: &str, s: &SinkCo
         SinkConfig::Parquet(p) => render_parquet_sink(out, loaded, name, p),
         SinkConfig::Postgres(p) => render_postgres_sink(out, loaded, name, p),
         SinkConfig::Kafka(k) => kafka::render_kafka_sink(out, loaded, name, k),
+        SinkConfig::Tiers(t) => tiers::render_tiers_sink(out, loaded, name, t),
         SinkConfig::Null(_) => {
             let _ = writeln!(out, "writes `{name}` (null): discards everything");
         }

@@ -55,6 +55,7 @@ use delivery::Target;
 use processor::Processor;
 pub use progress::rows_bar;
 pub use summary::RunSummary;
+pub use wiring::pipeline_clock;
 pub(crate) use wiring::{Parts, Startup};
 /// How often a long run logs its progress.
 const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);

@@ -63,6 +63,8 @@ pub(super) struct Processor {
     pub(super) metrics: ProcessorMetrics,
     /// A terminal progress bar, when asked for and the source knows its size.
     pub(super) bar: Option<Progress>,
+    /// The pipeline's clock, handed to projections as `now` (`[pipeline] clock`).
+    pub(super) clock: refract_schemas::clock::Clock,
 }
 
 impl Processor {
@@ -112,7 +114,7 @@ impl Processor {
         source: &mut dyn Source,
         mut items: Vec<SourceItem>,
     ) -> Result<(), RunError> {
-        let now = crate::runtime::now_ms();
+        let now = self.clock.now_ms();
         // Items are handled in place (not moved out one by one: they are large), and the
         // chunk goes back to the source to be freed.
         for item in &mut items {

@@ -100,7 +100,7 @@ impl Parts {
             sinks: config
                 .sinks
                 .iter()
-                .map(|(name, c)| registry::build_sink(name, c))
+                .map(|(name, c)| registry::build_sink(config, name, c))
                 .collect(),
             projections: projection_parts(config),
         }
@@ -363,6 +363,7 @@ pub(super) fn new_processor(
         draw_bar: options.progress_bar,
         bar: None,
         metrics: ProcessorMetrics::new(),
+        clock: pipeline_clock(config),
     };
     for (name, sink) in &config.sinks {
         let location = match sink {
@@ -371,6 +372,13 @@ pub(super) fn new_processor(
             SinkConfig::Parquet(p) => mask_url(&p.url),
             SinkConfig::Postgres(p) => format!("{} ({}.{})", mask_url(&p.url), p.schema, p.table),
             SinkConfig::Kafka(k) => format!("Kafka {} (topics {}.*)", k.brokers, k.topic_prefix),
+            SinkConfig::Tiers(t) => format!(
+                "hot {}, warm {} ({}), cold {}",
+                mask_url(&t.hot.url),
+                mask_url(&t.warm.url),
+                t.warm.table,
+                mask_url(&t.cold.url)
+            ),
             SinkConfig::Null(_) => "discarded".to_owned(),
         };
         processor
@@ -379,6 +387,13 @@ pub(super) fn new_processor(
             .insert(name.clone(), location);
     }
     processor
+}
+
+/// The pipeline's clock (`[pipeline] clock`, which `refract validate` checked), started now.
+pub fn pipeline_clock(config: &PipelineFile) -> refract_schemas::clock::Clock {
+    refract_schemas::clock::ClockSpec::parse(&config.pipeline.clock)
+        .unwrap_or(refract_schemas::clock::ClockSpec::Wall)
+        .start()
 }
 
 /// Waits for the delivery tasks to end, and adds the notices sinks left on closing to the

@@ -14,6 +14,7 @@ mod projections;
 pub(crate) mod routes;
 mod sinks;
 mod source;
+mod tiers;
 
 /// Object-store URL schemes refract can write to.
 const OBJECT_STORE_SCHEMES: &[&str] = &[
@@ -76,6 +77,12 @@ fn pipeline_settings(problem: &mut impl FnMut(&str, String), p: &PipelineSection
         60_000,
     );
     range(problem, "pipeline.queue_depth", p.queue_depth as u64, 1, 64);
+    if let Err(e) = crate::clock::ClockSpec::parse(&p.clock) {
+        problem(
+            "pipeline.clock",
+            format!("{e}: use `wall`, an instant, or `INSTANT xSPEED`"),
+        );
+    }
     if let Some(addr) = &p.metrics_addr {
         if addr.parse::<std::net::SocketAddr>().is_err() {
             problem(

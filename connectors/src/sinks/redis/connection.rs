@@ -24,14 +24,14 @@ const SCAN_COUNT: usize = 1000;
 
 /// Connects to Redis on demand and forgets a connection that failed.
 #[derive(Clone)]
-pub(super) struct Connector {
-    pub(super) client: redis::Client,
-    pub(super) conn: Option<MultiplexedConnection>,
+pub(crate) struct Connector {
+    pub(crate) client: redis::Client,
+    pub(crate) conn: Option<MultiplexedConnection>,
 }
 
 impl Connector {
     /// The current connection, or a new one.
-    pub(super) async fn get(&mut self) -> Result<MultiplexedConnection, RedisError> {
+    pub(crate) async fn get(&mut self) -> Result<MultiplexedConnection, RedisError> {
         if let Some(conn) = &self.conn {
             return Ok(conn.clone());
         }
@@ -47,7 +47,7 @@ impl Connector {
     }
 
     /// Runs `pipe`; a failure drops the connection so the next attempt reconnects.
-    pub(super) async fn run(&mut self, pipe: &redis::Pipeline) -> Result<(), RedisError> {
+    pub(crate) async fn run(&mut self, pipe: &redis::Pipeline) -> Result<(), RedisError> {
         let mut conn = self.get().await?;
         let result = pipe.query_async::<()>(&mut conn).await;
         if result.is_err() {
@@ -96,7 +96,7 @@ pub(super) async fn truncate(
 
 /// A Redis failure as a sink error: transient unless retrying cannot help (a bad command, wrong
 /// credentials).
-pub(super) fn error(sink: &str, url: &str, what: &str, e: RedisError) -> SinkError {
+pub(crate) fn error(sink: &str, url: &str, what: &str, e: RedisError) -> SinkError {
     let message = format!("{what} ({}): {e}", mask_url(url));
     // A certificate the client refuses cannot be fixed by retrying. The connector reports it
     // as an IO error carrying only rustls' message, so the message is what there is to match.

@@ -28,6 +28,7 @@ pub(super) fn validate(problem: &mut impl FnMut(&str, String), file: &PipelineFi
             ProjectionConfig::Flatten(f) => flatten::validate(problem, &base, f),
             ProjectionConfig::CacheInvalidation(c) => cache_invalidation(problem, &base, c),
             ProjectionConfig::Relay(r) => table_patterns(problem, &base, &r.tables),
+            ProjectionConfig::Tiers(t) => super::tiers::projection(problem, &base, t),
         }
         routes(problem, projection, &base, &file.sinks);
     }

@@ -20,6 +20,7 @@ pub(super) fn validate(problem: &mut impl FnMut(&str, String), file: &PipelineFi
             SinkConfig::Parquet(s) => parquet(problem, &base, s),
             SinkConfig::Postgres(s) => postgres(problem, &base, s),
             SinkConfig::Kafka(k) => kafka(problem, &base, k),
+            SinkConfig::Tiers(t) => super::tiers::sink(problem, &base, name, t, file),
             SinkConfig::Null(_) => {}
         }
     }

@@ -1,0 +1,289 @@
+//! `kind = "tiers"`: heartbeats into the hot (Redis), warm (PostgreSQL) and cold (Parquet) tiers
+//! a `tiers` projection routed them to. The layouts are in [`crate::tiers`].
+//!
+//! A batch is applied warm first (one transaction), then cold (late heartbeats merged into their
+//! device's day under the cold lock), then hot (pipelined). Every step is idempotent, so a
+//! failure anywhere fails the batch, which the runtime retries whole: a Redis outage or a
+//! PostgreSQL restart delays the tiers and loses nothing.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use futures::{StreamExt, TryStreamExt};
+use object_store::ObjectStore;
+use object_store::path::Path;
+use refract_schemas::Checkpoint;
+use refract_schemas::config::TierLayout;
+use refract_schemas::write::OpFamily;
+use refract_schemas::write::tiers::{Heartbeat, Tier, TierAction, TierWrite};
+
+use crate::sinks::postgres::classify;
+use crate::sinks::redis::connection::{Connector, error as redis_error};
+use crate::tiers::{cold, hot, warm};
+use crate::{Intake, Sink, SinkBatch, SinkError, WriteReport};
+
+/// What the tiers sink accepts: tier writes.
+type Accepted<'a> = &'a TierWrite;
+
+/// Hot-tier operations per pipelined round trip (seven commands each): large enough to hide
+/// the round trip, small enough that one reply buffer stays under a few MiB.
+const HOT_OPS_PER_PIPELINE: usize = 2_000;
+/// Device-days of late heartbeats rewritten at once: object stores answer each request in
+/// milliseconds, so some must be in flight together.
+const COLD_CONCURRENCY: usize = 16;
+/// SQLSTATE of an insert into a range no partition covers (an aging run detached it meanwhile).
+const NO_PARTITION: &str = "23514";
+
+/// The tiers sink.
+pub struct TiersSink {
+    name: String,
+    layout: Option<TierLayout>,
+    redis: Option<Connector>,
+    warm: Option<tokio_postgres::Client>,
+    cold: Option<(Arc<dyn ObjectStore>, Path)>,
+    /// Hours whose warm partition is known to exist.
+    partitions: BTreeSet<i64>,
+}
+
+impl TiersSink {
+    /// The families of write operations this sink accepts.
+    pub const ACCEPTS: &'static [OpFamily] = <Accepted<'static> as Intake<'static>>::FAMILIES;
+
+    /// A sink named `name` for `layout` (`None` when no valid tiers projection writes to it,
+    /// which `refract validate` refuses); nothing is connected before [`Sink::open`].
+    pub fn new(name: &str, layout: Option<TierLayout>) -> Self {
+        Self {
+            name: name.to_owned(),
+            layout,
+            redis: None,
+            warm: None,
+            cold: None,
+            partitions: BTreeSet::new(),
+        }
+    }
+
+    fn permanent(&self, message: String) -> SinkError {
+        SinkError::Permanent {
+            sink: self.name.clone(),
+            message,
+            source: None,
+        }
+    }
+
+    fn layout(&self) -> Result<&TierLayout, SinkError> {
+        self.layout
+            .as_ref()
+            .ok_or_else(|| self.permanent("no valid `tiers` projection writes to this sink".into()))
+    }
+
+    /// A warm-tier failure; a transient one drops the connection.
+    fn warm_error(&mut self, what: &str, e: tokio_postgres::Error) -> SinkError {
+        let error = classify(&self.name, format!("warm tier: {what}"), e);
+        if error.is_retryable() {
+            self.warm = None;
+            self.partitions.clear();
+        }
+        error
+    }
+
+    async fn connect(&mut self) -> Result<(), SinkError> {
+        let layout = self.layout()?.clone();
+        if self.redis.is_none() {
+            let client =
+                crate::tiers::hot_client(&layout).map_err(|e| self.permanent(e.to_string()))?;
+            self.redis = Some(Connector { client, conn: None });
+        }
+        if self.cold.is_none() {
+            self.cold =
+                Some(crate::tiers::open_cold(&layout).map_err(|e| self.permanent(e.to_string()))?);
+        }
+        if self.warm.as_ref().is_none_or(|c| c.is_closed()) {
+            self.partitions.clear();
+            let client = match crate::tiers::connect_warm(&layout).await {
+                Ok(c) => c,
+                Err(crate::tiers::TierError::Warm(what, e)) => {
+                    return Err(self.warm_error(&what, e));
+                }
+                Err(e) => return Err(self.permanent(e.to_string())),
+            };
+            if let Err(e) = warm::create(&client, &layout).await {
+                return Err(self.warm_error("cannot create the warm table", e));
+            }
+            self.warm = Some(client);
+        }
+        Ok(())
+    }
+
+    /// Applies the batch's warm writes in one transaction, creating the partitions they and the
+    /// next `partitions_ahead` hours need.
+    async fn write_warm(&mut self, ops: &[&TierWrite]) -> Result<(), SinkError> {
+        let layout = self.layout()?.clone();
+        let mut last: warm::Final = Default::default();
+        let mut hours = BTreeSet::new();
+        for op in ops.iter().filter(|op| op.tier == Tier::Warm) {
+            let h = &op.heartbeat;
+            let put = op.action == TierAction::Put;
+            last.insert((h.device_id.as_str(), h.ts_micros), put.then_some(&**h));
+            if put {
+                hours.insert(warm::hour_of(h.ts_micros));
+            }
+        }
+        if let Some(clock) = ops.iter().map(|op| op.clock_micros).max() {
+            let now = warm::hour_of(clock);
+            hours.extend(
+                (0..=i64::from(layout.stores.warm.partitions_ahead))
+                    .map(|i| now + i * warm::HOUR_MICROS),
+            );
+        }
+        if last.is_empty() && hours.is_subset(&self.partitions) {
+            return Ok(());
+        }
+        for attempt in 0..2 {
+            let missing: BTreeSet<i64> = hours.difference(&self.partitions).copied().collect();
+            let client = self
+                .warm
+                .as_mut()
+                .ok_or_else(|| SinkError::not_open("tiers"))?;
+            let result = async {
+                warm::ensure_partitions(client, &layout, &missing).await?;
+                let tx = client.transaction().await?;
+                warm::apply(&tx, &layout, &last).await?;
+                tx.commit().await
+            }
+            .await;
+            match result {
+                Ok(()) => {
+                    self.partitions.extend(missing);
+                    return Ok(());
+                }
+                // An aging run detached a partition this sink thought was there: make it again.
+                Err(e) if attempt == 0 && e.code().is_some_and(|c| c.code() == NO_PARTITION) => {
+                    self.partitions.clear();
+                }
+                Err(e) => return Err(self.warm_error("cannot write heartbeats", e)),
+            }
+        }
+        Err(self.permanent("warm tier: a partition kept disappearing".into()))
+    }
+
+    /// Merges the batch's cold heartbeats into the late files of their devices' days.
+    async fn write_cold(&mut self, ops: &[&TierWrite]) -> Result<(), SinkError> {
+        let mut days: BTreeMap<(&str, String), Vec<&Heartbeat>> = BTreeMap::new();
+        for op in ops
+            .iter()
+            .filter(|op| op.tier == Tier::Cold && op.action == TierAction::Put)
+        {
+            let h = &*op.heartbeat;
+            days.entry((h.device_id.as_str(), cold::day_of(h.ts_micros)))
+                .or_default()
+                .push(h);
+        }
+        if days.is_empty() {
+            return Ok(());
+        }
+        let layout = self.layout()?.clone();
+        let (store, root) = self
+            .cold
+            .clone()
+            .ok_or_else(|| SinkError::not_open("tiers"))?;
+        let client = self
+            .warm
+            .as_ref()
+            .ok_or_else(|| SinkError::not_open("tiers"))?;
+        if let Err(e) = client
+            .batch_execute(&crate::tiers::cold_lock_sql(&layout, true))
+            .await
+        {
+            return Err(self.warm_error("cannot take the cold lock", e));
+        }
+        let columns = &layout.heartbeats.columns;
+        let writes: Vec<_> = days
+            .values()
+            .map(|rows| cold::write_late(store.as_ref(), &root, columns, rows))
+            .collect();
+        let written = futures::stream::iter(writes)
+            .buffer_unordered(COLD_CONCURRENCY)
+            .try_collect::<Vec<usize>>()
+            .await;
+        let unlocked = client
+            .batch_execute(&crate::tiers::cold_lock_sql(&layout, false))
+            .await;
+        match written {
+            Err(cold::ColdError::Store(e)) => Err(crate::sinks::object_json::classify(
+                &self.name,
+                "cold tier: cannot write late heartbeats".into(),
+                e,
+            )),
+            Err(e @ cold::ColdError::Corrupt(..)) => Err(self.permanent(format!("cold tier: {e}"))),
+            Ok(_) => unlocked.map_err(|e| self.warm_error("cannot release the cold lock", e)),
+        }
+    }
+
+    /// Sends the batch's hot writes, pipelined.
+    async fn write_hot(&mut self, ops: &[&TierWrite]) -> Result<(), SinkError> {
+        let layout = self.layout()?.clone();
+        let hot_ops: Vec<&&TierWrite> = ops.iter().filter(|op| op.tier == Tier::Hot).collect();
+        for chunk in hot_ops.chunks(HOT_OPS_PER_PIPELINE) {
+            let mut pipe = redis::pipe();
+            for op in chunk {
+                match op.action {
+                    TierAction::Put => hot::put(&mut pipe, &layout, &op.heartbeat, op.clock_micros),
+                    TierAction::Delete => hot::delete(&mut pipe, &layout, &op.heartbeat),
+                }
+            }
+            let connector = self
+                .redis
+                .as_mut()
+                .ok_or_else(|| SinkError::not_open("tiers"))?;
+            connector.run(&pipe).await.map_err(|e| {
+                redis_error(
+                    &self.name,
+                    &layout.stores.hot.url,
+                    "hot tier: cannot write",
+                    e,
+                )
+            })?;
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Sink for TiersSink {
+    async fn open(&mut self, _resume: &Checkpoint) -> Result<(), SinkError> {
+        self.connect().await?;
+        let connector = self
+            .redis
+            .as_mut()
+            .ok_or_else(|| SinkError::not_open("tiers"))?;
+        if let Err(e) = connector.get().await {
+            let url = self.layout()?.stores.hot.url.clone();
+            return Err(redis_error(&self.name, &url, "hot tier: cannot connect", e));
+        }
+        Ok(())
+    }
+
+    async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
+        let ops = batch.intake::<Accepted>(&self.name)?;
+        self.connect().await?;
+        self.write_warm(&ops).await?;
+        self.write_cold(&ops).await?;
+        self.write_hot(&ops).await?;
+        let deleted = ops
+            .iter()
+            .filter(|op| op.action == TierAction::Delete)
+            .count() as u64;
+        Ok(WriteReport {
+            upserted: ops.len() as u64 - deleted,
+            deleted,
+            coalesced: 0,
+        })
+    }
+
+    async fn close(&mut self) -> Result<Option<String>, SinkError> {
+        self.redis = None;
+        self.warm = None;
+        Ok(None)
+    }
+}

@@ -1,0 +1,92 @@
+//! The hot, warm and cold tiers of heartbeats (seed 003 §4.2): their layouts, and the
+//! connections the `tiers` sink, the aging job and the queries share.
+//!
+//! - [`hot`]: Redis sorted sets per device and per region, trimmed to the hot window;
+//! - [`warm`]: a PostgreSQL table partitioned by the hour;
+//! - [`cold`]: zstd Parquet by device and day on object storage.
+
+pub mod cold;
+pub mod hot;
+pub mod warm;
+
+use std::sync::Arc;
+
+use object_store::ObjectStore;
+use object_store::path::Path;
+use refract_schemas::config::{TierLayout, mask_url};
+
+/// The advisory lock both cold writers (the sink's late heartbeats and an aging run) hold while
+/// they read and rewrite a day's files: `pg_advisory_lock(hashtext(…))` on the warm database.
+pub fn cold_lock_sql(layout: &TierLayout, lock: bool) -> String {
+    format!(
+        "SELECT {}(hashtext('refract.tiers.cold:' || {}))",
+        if lock {
+            "pg_advisory_lock"
+        } else {
+            "pg_advisory_unlock"
+        },
+        quote_literal(&layout.stores.warm.table)
+    )
+}
+
+fn quote_literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// Connects to the warm tier's database (the connection runs on a task of its own).
+pub async fn connect_warm(layout: &TierLayout) -> Result<tokio_postgres::Client, TierError> {
+    let url = &layout.stores.warm.url;
+    let config: tokio_postgres::Config = url.parse().map_err(|e| {
+        TierError::Config(format!("invalid PostgreSQL URL `{}`: {e}", mask_url(url)))
+    })?;
+    let (client, connection) = config
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(|e| TierError::Warm(format!("cannot connect to {}", mask_url(url)), e))?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "warm tier connection ended");
+        }
+    });
+    Ok(client)
+}
+
+/// Opens the cold tier's object store and its root.
+pub fn open_cold(layout: &TierLayout) -> Result<(Arc<dyn ObjectStore>, Path), TierError> {
+    crate::sinks::object_json::open_store(&layout.stores.cold.url).map_err(|e| {
+        TierError::Config(format!(
+            "cold tier `{}`: {e}",
+            mask_url(&layout.stores.cold.url)
+        ))
+    })
+}
+
+/// A Redis client for the hot tier.
+pub fn hot_client(layout: &TierLayout) -> Result<redis::Client, TierError> {
+    redis::Client::open(layout.stores.hot.url.as_str()).map_err(|e| {
+        TierError::Config(format!(
+            "hot tier `{}`: {e}",
+            mask_url(&layout.stores.hot.url)
+        ))
+    })
+}
+
+/// A failure of the aging job or a query (the sink classifies its own for retries).
+#[derive(Debug, thiserror::Error)]
+pub enum TierError {
+    /// The layout's settings cannot be used.
+    #[error("{0}")]
+    Config(String),
+    /// The warm tier failed.
+    #[error("warm tier: {0}: {1}")]
+    Warm(String, #[source] tokio_postgres::Error),
+    /// The hot tier failed.
+    #[error("hot tier: {0}: {1}")]
+    Hot(String, #[source] redis::RedisError),
+    /// The cold tier failed.
+    #[error("cold tier: {0}")]
+    Cold(#[from] cold::ColdError),
+    /// What was read back does not match what was written.
+    #[error("{0}")]
+    Mismatch(String),
+}
