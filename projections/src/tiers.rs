@@ -228,7 +228,15 @@ fn typed(value: Option<&Value>, column: &TierColumn) -> Result<Value, Projection
         _ => false,
     };
     if ok {
-        Ok(v)
+        Ok(match (v, column.kind) {
+            // What a `real` holds: the shortest decimal of the nearest f32, in every tier.
+            (Value::Number(n), TierColumnType::Real) => n
+                .as_f64()
+                .and_then(|f| (f as f32).to_string().parse::<f64>().ok())
+                .and_then(serde_json::Number::from_f64)
+                .map_or(Value::Null, Value::Number),
+            (v, _) => v,
+        })
     } else {
         Err(ProjectionError::Invalid(format!(
             "column `{}`: `{v}` is not a {}",

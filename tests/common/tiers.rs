@@ -1,0 +1,264 @@
+//! Helpers of the tiers tests: a database of the test's own holding the showcase heartbeat
+//! table, the environment the shipped `pipelines/device-tiers.toml` reads, and an independent
+//! reader of each tier (psql for warm, DuckDB for cold, the Redis client for hot).
+//!
+//! Rows are compared as canonical lines `device|ts_micros|region|battery|signal|lat|lon`
+//! (null as empty), each value printed the way PostgreSQL, DuckDB and Rust all print it (a
+//! `real` as its shortest decimal).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A database of the test's own with `device_heartbeats`; dropped (with its slot) at the end.
+pub struct TierDb {
+    pub name: String,
+}
+
+impl TierDb {
+    /// Creates the database afresh (an earlier run's is dropped) with the showcase table.
+    pub fn create(name: &str) -> Self {
+        let db = TierDb {
+            name: name.to_owned(),
+        };
+        db.drop_all();
+        super::pg::psql(&format!("CREATE DATABASE {name}"));
+        let schema = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../shared/showcase/device_heartbeats.sql"
+        ))
+        .unwrap_or_else(|_| SHOWCASE_TABLE.to_owned());
+        db.psql(&schema);
+        db
+    }
+
+    fn drop_all(&self) {
+        super::pg::psql(&format!(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+             WHERE slot_name = '{}'",
+            self.slot()
+        ));
+        super::pg::psql(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name));
+    }
+
+    pub fn url(&self) -> String {
+        let base = super::pg::url();
+        let root = base.rsplit_once('/').map_or(base.as_str(), |(r, _)| r);
+        format!("{root}/{}", self.name)
+    }
+
+    /// The replication slot the shipped pipeline uses for this database.
+    pub fn slot(&self) -> String {
+        format!("refract_{}", self.name)
+    }
+
+    /// Runs SQL in this database; psql's unaligned output.
+    pub fn psql(&self, sql: &str) -> String {
+        let out = Command::new("psql")
+            .args([&self.url(), "-X", "-v", "ON_ERROR_STOP=1", "-Atqc", sql])
+            .output()
+            .expect("psql runs");
+        assert!(
+            out.status.success(),
+            "psql failed on {sql}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    /// Canonical lines of the rows `select` returns (its columns in canonical order).
+    fn lines(&self, select: &str) -> BTreeSet<String> {
+        self.psql(&format!("COPY ({select}) TO STDOUT WITH (FORMAT csv, DELIMITER '|')"))
+            .lines()
+            .map(canonical)
+            .collect()
+    }
+
+    /// The source table's rows.
+    pub fn source_rows(&self) -> BTreeSet<String> {
+        self.lines(&format!("SELECT {CANONICAL} FROM device_heartbeats"))
+    }
+
+    /// The warm tier's rows (table `table` in this database).
+    pub fn warm_rows(&self, table: &str) -> BTreeSet<String> {
+        self.lines(&format!("SELECT {CANONICAL} FROM {table}"))
+    }
+}
+
+impl Drop for TierDb {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.drop_all();
+        }
+    }
+}
+
+/// The table of `../shared/showcase/device_heartbeats.sql`, when the file is not beside the clone.
+const SHOWCASE_TABLE: &str = "CREATE TABLE device_heartbeats (device_id text NOT NULL, \
+    ts timestamptz NOT NULL, region text NOT NULL, battery real, signal int, \
+    lat double precision, lon double precision, PRIMARY KEY (device_id, ts))";
+
+/// The canonical columns in SQL.
+const CANONICAL: &str = "device_id, (extract(epoch FROM ts) * 1000000)::bigint, region, battery, \
+    signal, lat, lon";
+
+/// Everything the shipped pipeline reads from the environment, pointed at the test's own
+/// database, Redis key prefix, directory and clock.
+pub struct Env {
+    pub db_url: String,
+    pub slot: String,
+    pub prefix: String,
+    pub dir: PathBuf,
+    pub redis_url: String,
+    pub warm_table: String,
+}
+
+impl Env {
+    pub fn new(db: &TierDb, dir: &Path, redis_url: &str) -> Self {
+        Env {
+            db_url: db.url(),
+            slot: db.slot(),
+            prefix: format!("hb_{}", db.name),
+            dir: dir.to_owned(),
+            redis_url: redis_url.to_owned(),
+            warm_table: "heartbeats_warm".into(),
+        }
+    }
+
+    pub fn cold_dir(&self) -> PathBuf {
+        self.dir.join("out").join("heartbeats")
+    }
+
+    /// `refract ARGS` on the shipped pipeline at clock `clock` (an RFC 3339 instant, optionally
+    /// followed by ` xSPEED`).
+    pub fn refract(&self, clock: &str) -> Command {
+        let mut cmd = super::refract();
+        cmd.current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+            .env("PG_URL", &self.db_url)
+            .env("TARGET_PG_URL", &self.db_url)
+            .env("REFRACT_SLOT", &self.slot)
+            .env("WARM_TABLE", &self.warm_table)
+            .env("HOT_PREFIX", &self.prefix)
+            .env("REDIS_URL", &self.redis_url)
+            .env("STATE_DIR", self.dir.join("state"))
+            .env("OBJECT_STORE_URL", format!("file://{}", self.dir.join("out").display()))
+            .env("REFRACT_CLOCK", clock);
+        cmd
+    }
+
+    /// The shipped pipeline file.
+    pub fn pipeline_path() -> PathBuf {
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../pipelines/device-tiers.toml"))
+    }
+
+    /// The hot tier: per device set key, its members as canonical lines.
+    pub fn hot_rows(&self) -> BTreeMap<String, BTreeSet<String>> {
+        hot_rows(&self.redis_url, &self.prefix)
+    }
+}
+
+/// Every device set under `prefix` (`{prefix}:{region}:{hash}:{device}`), its members as
+/// canonical lines.
+pub fn hot_rows(redis_url: &str, prefix: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let mut conn = redis::Client::open(redis_url).unwrap().get_connection().unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}:*"))
+        .query(&mut conn)
+        .unwrap();
+    let mut out = BTreeMap::new();
+    for key in keys.into_iter().filter(|k| !k.ends_with(":online")) {
+        let parts: Vec<&str> = key.splitn(4, ':').collect();
+        let (region, device) = (parts[1], parts[3]);
+        let members: Vec<String> = redis::cmd("ZRANGE")
+            .arg(&key)
+            .arg(0)
+            .arg(-1)
+            .query(&mut conn)
+            .unwrap();
+        let lines = members
+            .iter()
+            .map(|m| {
+                let v: serde_json::Value = serde_json::from_str(m).unwrap();
+                let cell = |name: &str| match &v[name] {
+                    serde_json::Value::Null => String::new(),
+                    other => other.to_string(),
+                };
+                canonical(&format!(
+                    "{device}|{}|{region}|{}|{}|{}|{}",
+                    v["ts"],
+                    cell("battery"),
+                    cell("signal"),
+                    cell("lat"),
+                    cell("lon")
+                ))
+            })
+            .collect();
+        out.insert(key, lines);
+    }
+    out
+}
+
+/// The cold tier under `dir` read with DuckDB: canonical lines, with how many times each
+/// `(device, ts)` is there (more than once is a duplicate).
+pub fn cold_rows(dir: &Path) -> (BTreeSet<String>, usize) {
+    if !dir.exists() {
+        return (BTreeSet::new(), 0);
+    }
+    let script = format!(
+        r#"
+import duckdb
+rows = duckdb.sql("""
+  SELECT device_id, epoch_us(ts), region, battery::VARCHAR, signal::VARCHAR, lat::VARCHAR,
+         lon::VARCHAR, count(*) OVER (PARTITION BY device_id, ts) AS n
+  FROM read_parquet('{dir}/*/*/*.parquet', hive_partitioning = true)
+""").fetchall()
+for r in rows:
+    print('|'.join('' if v is None else str(v) for v in r))
+"#,
+        dir = dir.display()
+    );
+    let out = Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "DuckDB failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut lines = BTreeSet::new();
+    let mut doubled = 0;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let (row, n) = line.rsplit_once('|').unwrap();
+        if n != "1" {
+            doubled += 1;
+        }
+        lines.insert(canonical(row));
+    }
+    (lines, doubled)
+}
+
+/// A canonical line with its numbers printed one way (`1.0` and `1` are the same value, and
+/// PostgreSQL, DuckDB and JSON print them differently).
+pub fn canonical(line: &str) -> String {
+    line.split('|')
+        .enumerate()
+        .map(|(i, v)| match v.parse::<f64>() {
+            Ok(f) if i >= 3 => f.to_string(),
+            _ => v.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join("|")
+}
+
+/// Per `(device, day)` counts of canonical lines (`day` = UTC day of the time).
+pub fn per_device_day(rows: &BTreeSet<String>) -> BTreeMap<(String, i64), usize> {
+    let mut out = BTreeMap::new();
+    for row in rows {
+        let mut parts = row.split('|');
+        let device = parts.next().unwrap().to_owned();
+        let ts: i64 = parts.next().unwrap().parse().unwrap();
+        *out.entry((device, ts.div_euclid(86_400_000_000))).or_default() += 1;
+    }
+    out
+}

@@ -1,0 +1,179 @@
+//! The tiers read model end to end: every heartbeat lands in the tiers its age puts it in, once,
+//! whatever order, lateness or repetition it arrives in; a fleet replayed over five weeks of
+//! event time leaves warm + cold equal to the source and hot equal to its last two hours.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use common::tiers::{Env, TierDb, cold_rows, per_device_day};
+use serde_json::{Value, json};
+
+const HOUR: i64 = 3_600_000_000;
+const DAY: i64 = 24 * HOUR;
+const HOT: i64 = 2 * HOUR;
+const WARM: i64 = 30 * DAY;
+/// The clock of the arrivals test: 2026-02-05T00:00:00Z.
+const CLOCK: i64 = 1_770_249_600_000_000;
+
+fn rfc3339(micros: i64) -> String {
+    chrono::DateTime::from_timestamp_micros(micros)
+        .unwrap()
+        .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+}
+
+/// The shipped pipeline with a file source reading `log` in place of PostgreSQL.
+fn file_pipeline(dir: &Path, log: &Path) -> PathBuf {
+    let shipped = std::fs::read_to_string(Env::pipeline_path()).unwrap();
+    let start = shipped.find("[source]").unwrap();
+    let end = shipped.find("[projections.").unwrap();
+    // Batches of two events: what arrives in different batches must merge across them.
+    let source = format!(
+        "[pipeline.batch]\nmax_events = 2\n\n[source]\nkind = \"file\"\npath = \"{}\"\nfollow = false\n\n",
+        log.display()
+    );
+    let text = format!("{}{source}{}", &shipped[..start], &shipped[end..]);
+    let path = dir.join("tiers-file.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// One heartbeat row.
+#[derive(Clone)]
+struct Beat {
+    device: &'static str,
+    region: &'static str,
+    ts: i64,
+    battery: Option<f32>,
+    signal: i32,
+}
+
+impl Beat {
+    fn json(&self) -> Value {
+        // A real as PostgreSQL sends it: its shortest decimal.
+        let battery: Option<f64> = self.battery.map(|b| b.to_string().parse().unwrap());
+        json!({"device_id": self.device, "ts": rfc3339(self.ts), "region": self.region,
+               "battery": battery, "signal": self.signal, "lat": 52.5, "lon": 13.25})
+    }
+
+    fn line(&self) -> String {
+        let battery = self.battery.map(|b| b.to_string()).unwrap_or_default();
+        common::tiers::canonical(&format!(
+            "{}|{}|{}|{battery}|{}|52.5|13.25",
+            self.device, self.ts, self.region, self.signal
+        ))
+    }
+}
+
+fn envelope(op: &str, before: Option<&Beat>, after: Option<&Beat>) -> String {
+    json!({"before": before.map(Beat::json), "after": after.map(Beat::json), "op": op,
+           "source": {"schema": "public", "table": "device_heartbeats"}})
+    .to_string()
+}
+
+/// What each tier must hold after `events` at `clock`, computed from the events alone: the
+/// last write of each `(device, ts)` wins, and the age at the clock says where it belongs.
+fn model(events: &[(&str, Beat)], clock: i64) -> [BTreeSet<String>; 3] {
+    let mut last: BTreeMap<(&str, i64), Option<Beat>> = BTreeMap::new();
+    for (op, beat) in events {
+        last.insert((beat.device, beat.ts), (*op != "d").then(|| beat.clone()));
+    }
+    let mut tiers: [BTreeSet<String>; 3] = Default::default();
+    for beat in last.into_values().flatten() {
+        let age = (clock - beat.ts).max(0);
+        if age < HOT {
+            tiers[0].insert(beat.line());
+        }
+        if age < WARM {
+            tiers[1].insert(beat.line());
+        } else {
+            tiers[2].insert(beat.line());
+        }
+    }
+    tiers
+}
+
+#[test]
+fn late_out_of_order_and_duplicate_heartbeats_land_in_their_tier_once() {
+    let db = TierDb::create("tiers_arrivals");
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(&db, dir.path(), "redis://127.0.0.1:6379");
+    let beat = |device, region, ago: i64, battery: f32| Beat {
+        device,
+        region,
+        ts: CLOCK - ago,
+        battery: Some(battery),
+        signal: -70,
+    };
+    let minute = 60_000_000;
+    let now_ish = beat("d1", "EU", 10 * minute, 0.5);
+    let late = beat("d1", "EU", 40 * DAY, 0.1);
+    let events = vec![
+        ("c", now_ish.clone()),
+        // Out of order: older heartbeats after a newer one, in every tier.
+        ("c", beat("d1", "EU", HOUR, 0.25)),
+        ("c", beat("d1", "EU", 5 * HOUR, 0.75)),
+        ("c", late.clone()),
+        // Duplicates: the same heartbeat again, and again with a corrected value (last wins).
+        ("c", now_ish.clone()),
+        ("c", late.clone()),
+        ("u", beat("d1", "EU", 5 * HOUR, 0.3)),
+        ("u", beat("d1", "EU", HOUR, 0.35)),
+        ("c", beat("d1", "EU", 40 * DAY - 1_000_000, 0.2)),
+        ("c", beat("d1", "EU", 45 * DAY, 0.9)),
+        // Exactly on the boundaries: 2 h old is warm only, 30 days old is cold.
+        ("c", beat("d2", "CN_SHANGHAI", HOT, 0.6)),
+        ("c", beat("d2", "CN_SHANGHAI", WARM, 0.6)),
+        ("c", beat("d2", "CN_SHANGHAI", 20 * DAY, 0.4)),
+        ("c", beat("d2", "CN_SHANGHAI", minute, 0.4)),
+        ("d", beat("d2", "CN_SHANGHAI", 20 * DAY, 0.4)),
+        // From a device whose clock runs ahead: counts as now.
+        ("c", beat("d3", "EU", -minute, 1.0)),
+    ];
+    let log = dir.path().join("heartbeats.jsonl");
+    let lines: Vec<String> = events
+        .iter()
+        .map(|(op, b)| match *op {
+            "d" => envelope("d", Some(b), None),
+            "u" => envelope("u", Some(b), Some(b)),
+            op => envelope(op, None, Some(b)),
+        })
+        .collect();
+    std::fs::write(&log, lines.join("\n") + "\n").unwrap();
+    let pipeline = file_pipeline(dir.path(), &log);
+    let [hot, warm, cold] = model(&events, CLOCK);
+    // Twice: the second run, with its state gone, replays every event (at-least-once).
+    for run in ["first run", "replay"] {
+        let out = common::output(env.refract(&rfc3339(CLOCK)).args(["run"]).arg(&pipeline));
+        assert!(out.status.success(), "{run}: {}", String::from_utf8_lossy(&out.stderr));
+        std::fs::remove_dir_all(dir.path().join("state")).unwrap();
+        let hot_now: BTreeSet<String> = env.hot_rows().into_values().flatten().collect();
+        assert_eq!(hot_now, hot, "{run}: hot tier");
+        assert_eq!(db.warm_rows(&env.warm_table), warm, "{run}: warm tier");
+        let (cold_now, doubled) = cold_rows(&env.cold_dir());
+        assert_eq!(cold_now, cold, "{run}: cold tier");
+        assert_eq!(doubled, 0, "{run}: a heartbeat is in cold twice");
+    }
+    clear_hot(&env);
+}
+
+/// Removes the test's keys from the shared Redis.
+fn clear_hot(env: &Env) {
+    let mut conn = redis::Client::open(env.redis_url.as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{}:*", env.prefix))
+        .query(&mut conn)
+        .unwrap();
+    if !keys.is_empty() {
+        let _: () = redis::cmd("DEL").arg(keys).query(&mut conn).unwrap();
+    }
+}
+
+#[allow(dead_code)]
+fn per_day(rows: &BTreeSet<String>) -> BTreeMap<(String, i64), usize> {
+    per_device_day(rows)
+}
