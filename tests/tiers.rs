@@ -5,103 +5,23 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
 
-use common::tiers::{Env, TierDb, cold_rows, per_device_day};
-use serde_json::{Value, json};
+use common::tiers::{
+    Beat, DAY, Env, HOT, HOUR, TierDb, WARM, cold_rows, envelope, file_pipeline, model,
+    per_device_day, rfc3339,
+};
 
-const HOUR: i64 = 3_600_000_000;
-const DAY: i64 = 24 * HOUR;
-const HOT: i64 = 2 * HOUR;
-const WARM: i64 = 30 * DAY;
 /// The clock of the arrivals test: 2026-02-05T00:00:00Z.
 const CLOCK: i64 = 1_770_249_600_000_000;
-
-fn rfc3339(micros: i64) -> String {
-    chrono::DateTime::from_timestamp_micros(micros)
-        .unwrap()
-        .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
-}
-
-/// The shipped pipeline with a file source reading `log` in place of PostgreSQL.
-fn file_pipeline(dir: &Path, log: &Path) -> PathBuf {
-    let shipped = std::fs::read_to_string(Env::pipeline_path()).unwrap();
-    let start = shipped.find("[source]").unwrap();
-    let end = shipped.find("[projections.").unwrap();
-    // Batches of two events: what arrives in different batches must merge across them.
-    let source = format!(
-        "[pipeline.batch]\nmax_events = 2\n\n[source]\nkind = \"file\"\npath = \"{}\"\nfollow = false\n\n",
-        log.display()
-    );
-    let text = format!("{}{source}{}", &shipped[..start], &shipped[end..]);
-    let path = dir.join("tiers-file.toml");
-    std::fs::write(&path, text).unwrap();
-    path
-}
-
-/// One heartbeat row.
-#[derive(Clone)]
-struct Beat {
-    device: &'static str,
-    region: &'static str,
-    ts: i64,
-    battery: Option<f32>,
-    signal: i32,
-}
-
-impl Beat {
-    fn json(&self) -> Value {
-        // A real as PostgreSQL sends it: its shortest decimal.
-        let battery: Option<f64> = self.battery.map(|b| b.to_string().parse().unwrap());
-        json!({"device_id": self.device, "ts": rfc3339(self.ts), "region": self.region,
-               "battery": battery, "signal": self.signal, "lat": 52.5, "lon": 13.25})
-    }
-
-    fn line(&self) -> String {
-        let battery = self.battery.map(|b| b.to_string()).unwrap_or_default();
-        common::tiers::canonical(&format!(
-            "{}|{}|{}|{battery}|{}|52.5|13.25",
-            self.device, self.ts, self.region, self.signal
-        ))
-    }
-}
-
-fn envelope(op: &str, before: Option<&Beat>, after: Option<&Beat>) -> String {
-    json!({"before": before.map(Beat::json), "after": after.map(Beat::json), "op": op,
-           "source": {"schema": "public", "table": "device_heartbeats"}})
-    .to_string()
-}
-
-/// What each tier must hold after `events` at `clock`, computed from the events alone: the
-/// last write of each `(device, ts)` wins, and the age at the clock says where it belongs.
-fn model(events: &[(&str, Beat)], clock: i64) -> [BTreeSet<String>; 3] {
-    let mut last: BTreeMap<(&str, i64), Option<Beat>> = BTreeMap::new();
-    for (op, beat) in events {
-        last.insert((beat.device, beat.ts), (*op != "d").then(|| beat.clone()));
-    }
-    let mut tiers: [BTreeSet<String>; 3] = Default::default();
-    for beat in last.into_values().flatten() {
-        let age = (clock - beat.ts).max(0);
-        if age < HOT {
-            tiers[0].insert(beat.line());
-        }
-        if age < WARM {
-            tiers[1].insert(beat.line());
-        } else {
-            tiers[2].insert(beat.line());
-        }
-    }
-    tiers
-}
 
 #[test]
 fn late_out_of_order_and_duplicate_heartbeats_land_in_their_tier_once() {
     let db = TierDb::create("tiers_arrivals");
     let dir = tempfile::tempdir().unwrap();
     let env = Env::new(&db, dir.path(), "redis://127.0.0.1:6379");
-    let beat = |device, region, ago: i64, battery: f32| Beat {
-        device,
-        region,
+    let beat = |device: &str, region: &str, ago: i64, battery: f32| Beat {
+        device: device.into(),
+        region: region.into(),
         ts: CLOCK - ago,
         battery: Some(battery),
         signal: -70,
@@ -141,12 +61,17 @@ fn late_out_of_order_and_duplicate_heartbeats_land_in_their_tier_once() {
         })
         .collect();
     std::fs::write(&log, lines.join("\n") + "\n").unwrap();
-    let pipeline = file_pipeline(dir.path(), &log);
+    // Batches of two events: what arrives in different batches must merge across them.
+    let pipeline = file_pipeline(dir.path(), &log, 2, false);
     let [hot, warm, cold] = model(&events, CLOCK);
     // Twice: the second run, with its state gone, replays every event (at-least-once).
     for run in ["first run", "replay"] {
         let out = common::output(env.refract(&rfc3339(CLOCK)).args(["run"]).arg(&pipeline));
-        assert!(out.status.success(), "{run}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{run}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         std::fs::remove_dir_all(dir.path().join("state")).unwrap();
         let hot_now: BTreeSet<String> = env.hot_rows().into_values().flatten().collect();
         assert_eq!(hot_now, hot, "{run}: hot tier");
