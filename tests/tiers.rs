@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use common::tiers::{
     Beat, DAY, Env, HOT, HOUR, TierDb, WARM, cold_rows, envelope, file_pipeline, model,
@@ -98,7 +98,118 @@ fn clear_hot(env: &Env) {
     }
 }
 
-#[allow(dead_code)]
-fn per_day(rows: &BTreeSet<String>) -> BTreeMap<(String, i64), usize> {
-    per_device_day(rows)
+/// The start of the replayed history: 2026-01-01T00:00:00Z.
+const HISTORY_START: i64 = 1_767_225_600_000_000;
+
+/// Inserts every device's heartbeats of `[from, to)` into the source (one per `interval`
+/// seconds, each device at its own offset within the interval).
+fn insert_history(db: &TierDb, devices: u32, from: i64, to: i64, interval: u32) {
+    db.psql(&format!(
+        "INSERT INTO device_heartbeats
+         SELECT 'dev-' || lpad(d::text, 5, '0'),
+                t + make_interval(secs => (d * 37) % {interval}),
+                (ARRAY['EU', 'CN_SHANGHAI', 'US_EAST'])[1 + d % 3],
+                round((random() * 100)::numeric) / 100,
+                -(d % 100),
+                52 + d / 1000.0,
+                13 + d / 1000.0
+         FROM generate_series(0, {devices} - 1) d,
+              generate_series(timestamptz '{from}', timestamptz '{to}' - interval '1 microsecond',
+                              make_interval(secs => {interval})) t",
+        from = rfc3339(from),
+        to = rfc3339(to),
+    ));
+}
+
+/// A fleet replayed over 36 days of event time, three days at a time, on a clock that jumps to
+/// the end of each step: each step's heartbeats go hot and warm as they arrive, and each
+/// aging pass moves the days past 30 days to cold. Late heartbeats (older than 30 days on
+/// arrival) and repeated ones (updates in place) come in the last steps. Afterwards warm + cold
+/// hold exactly the source's rows, each once, and hot exactly its last two hours.
+#[test]
+fn a_fleet_replayed_over_five_weeks_fills_every_tier_exactly() {
+    let (devices, interval) = if common::in_ci() {
+        (100, 7_200)
+    } else {
+        (1_000, 3_600)
+    };
+    let db = TierDb::create("tiers_fleet");
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(&db, dir.path(), "redis://127.0.0.1:6379");
+    clear_hot(&env);
+    let step = 3 * DAY;
+    let end = HISTORY_START + 36 * DAY;
+    let mut clock = HISTORY_START;
+    while clock < end {
+        insert_history(&db, devices, clock, clock + step, interval);
+        clock += step;
+        if clock == end {
+            // Late: heartbeats of the first days, already older than 30 days, arriving now; and
+            // repeats of heartbeats in every tier (an update that changes nothing).
+            insert_history(
+                &db,
+                devices / 10,
+                HISTORY_START + DAY / 2 + 1,
+                HISTORY_START + DAY,
+                1_800,
+            );
+            db.psql(&format!(
+                "UPDATE device_heartbeats SET battery = battery WHERE device_id LIKE '%7' \
+                 AND ts >= timestamptz '{}'",
+                rfc3339(HISTORY_START + DAY)
+            ));
+        }
+        let at = rfc3339(clock);
+        let run = common::output(
+            env.refract(&at)
+                .args(["run", "--until-caught-up"])
+                .arg(Env::pipeline_path()),
+        );
+        assert!(
+            run.status.success(),
+            "run at {at}: {}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let age = common::output(
+            env.refract(&at)
+                .args(["tiers"])
+                .arg(Env::pipeline_path())
+                .arg("age"),
+        );
+        assert!(
+            age.status.success(),
+            "aging at {at}: {}",
+            String::from_utf8_lossy(&age.stderr)
+        );
+    }
+
+    let source = db.source_rows();
+    let warm = db.warm_rows(&env.warm_table);
+    let (cold, doubled) = cold_rows(&env.cold_dir());
+    assert_eq!(doubled, 0, "heartbeats in cold twice");
+    let both: Vec<&String> = warm.intersection(&cold).take(5).collect();
+    assert!(both.is_empty(), "heartbeats in warm and in cold: {both:?}");
+    assert!(!cold.is_empty() && !warm.is_empty(), "both tiers are used");
+    let held: BTreeSet<String> = warm.union(&cold).cloned().collect();
+    assert_eq!(
+        per_device_day(&held),
+        per_device_day(&source),
+        "warm + cold per device and day"
+    );
+    assert_eq!(held.len(), source.len(), "warm + cold rows");
+    assert!(held == source, "warm + cold hold exactly the source's rows");
+    let window_start = end - WARM;
+    let old_warm = warm
+        .iter()
+        .filter(|r| r.split('|').nth(1).unwrap().parse::<i64>().unwrap() < window_start)
+        .count();
+    assert_eq!(old_warm, 0, "warm rows older than the window (every day before it was aged)");
+    let hot: BTreeSet<String> = source
+        .iter()
+        .filter(|r| r.split('|').nth(1).unwrap().parse::<i64>().unwrap() > end - HOT)
+        .cloned()
+        .collect();
+    let hot_now: BTreeSet<String> = env.hot_rows().into_values().flatten().collect();
+    assert_eq!(hot_now, hot, "hot holds exactly the last two hours");
+    clear_hot(&env);
 }

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use common::cache::RedisServer;
 use common::tiers::{
-    Beat, Env, PrivatePostgres, cold_rows, envelope, file_pipeline, hot_rows, model,
-    psql_at, rfc3339, warm_rows_at,
+    Beat, Env, PrivatePostgres, cold_rows, envelope, file_pipeline, hot_rows, model, psql_at,
+    rfc3339, warm_rows_at,
 };
 use common::{Rng, Running};
 
@@ -110,7 +110,11 @@ fn redis_down_and_postgres_restarted_during_ingest_lose_nothing() {
     append(&log, thirds[1]);
     std::thread::sleep(REDIS_OUTAGE);
     redis.start_again();
-    wait_for_warm(&pg.url(), warm_in(&events[..thirds[0].len() + thirds[1].len()]), "after Redis came back");
+    wait_for_warm(
+        &pg.url(),
+        warm_in(&events[..thirds[0].len() + thirds[1].len()]),
+        "after Redis came back",
+    );
 
     // PostgreSQL restarted while the last third arrives.
     append(&log, thirds[2]);
@@ -120,7 +124,10 @@ fn redis_down_and_postgres_restarted_during_ingest_lose_nothing() {
     daemon.terminate();
     let out = daemon.wait_with_output();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "the daemon drains and exits 0: {stderr}");
+    assert!(
+        out.status.success(),
+        "the daemon drains and exits 0: {stderr}"
+    );
     let hot_now: BTreeSet<String> = hot_rows(&redis.url(), &env.prefix)
         .into_values()
         .flatten()
@@ -135,5 +142,4 @@ fn redis_down_and_postgres_restarted_during_ingest_lose_nothing() {
         stderr.contains("hot tier") && stderr.contains("warm tier"),
         "both outages were seen and retried: {stderr}"
     );
-
 }

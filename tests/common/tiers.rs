@@ -64,7 +64,10 @@ impl TierDb {
 
     /// The source table's rows.
     pub fn source_rows(&self) -> BTreeSet<String> {
-        rows_at(&self.url(), &format!("SELECT {CANONICAL} FROM device_heartbeats"))
+        rows_at(
+            &self.url(),
+            &format!("SELECT {CANONICAL} FROM device_heartbeats"),
+        )
     }
 
     /// The warm tier's rows (table `table` in this database).
@@ -364,7 +367,10 @@ pub fn envelope(op: &str, before: Option<&Beat>, after: Option<&Beat>) -> String
 pub fn model(events: &[(&str, Beat)], clock: i64) -> [BTreeSet<String>; 3] {
     let mut last: BTreeMap<(String, i64), Option<Beat>> = BTreeMap::new();
     for (op, beat) in events {
-        last.insert((beat.device.clone(), beat.ts), (*op != "d").then(|| beat.clone()));
+        last.insert(
+            (beat.device.clone(), beat.ts),
+            (*op != "d").then(|| beat.clone()),
+        );
     }
     let mut tiers: [BTreeSet<String>; 3] = Default::default();
     for beat in last.into_values().flatten() {
@@ -396,10 +402,16 @@ impl PrivatePostgres {
         let dir = std::env::temp_dir().join(format!("refract-pg-{port}"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        as_postgres(&["chown", "-R", "postgres", &dir.display().to_string()], true);
+        as_postgres(
+            &["chown", "-R", "postgres", &dir.display().to_string()],
+            true,
+        );
         let data = dir.join("data").display().to_string();
         let initdb = format!("{}/initdb", Self::BIN);
-        as_postgres(&[&initdb, "-D", &data, "--auth=trust", "--username=postgres"], false);
+        as_postgres(
+            &[&initdb, "-D", &data, "--auth=trust", "--username=postgres"],
+            false,
+        );
         let pg = PrivatePostgres { port, dir };
         pg.pg_ctl(&["start", "-w"]);
         pg
