@@ -203,7 +203,10 @@ fn a_fleet_replayed_over_five_weeks_fills_every_tier_exactly() {
         .iter()
         .filter(|r| r.split('|').nth(1).unwrap().parse::<i64>().unwrap() < window_start)
         .count();
-    assert_eq!(old_warm, 0, "warm rows older than the window (every day before it was aged)");
+    assert_eq!(
+        old_warm, 0,
+        "warm rows older than the window (every day before it was aged)"
+    );
     let hot: BTreeSet<String> = source
         .iter()
         .filter(|r| r.split('|').nth(1).unwrap().parse::<i64>().unwrap() > end - HOT)

@@ -52,6 +52,11 @@ mod tests {
              fields = [{ name = \"id\", from = \"id\" }]",
         ),
         ("relay", "kind = \"relay\"\nsinks = [\"s\"]"),
+        (
+            "tiers",
+            "kind = \"tiers\"\nsinks = [\"s\"]\ntable = \"hb\"\n\
+             columns = [{ name = \"v\", type = \"int\" }]",
+        ),
     ];
 
     /// A minimal valid section of each sink kind.
@@ -76,6 +81,11 @@ mod tests {
             "kafka",
             "kind = \"kafka\"\nbrokers = \"127.0.0.1:9092\"\ntopic_prefix = \"shop\"",
         ),
+        (
+            "tiers",
+            "kind = \"tiers\"\nhot = { url = \"redis://r\" }\n\
+             warm = { url = \"postgres://u@127.0.0.1/db\" }\ncold = { url = \"file:///tmp/c\" }",
+        ),
         ("null", "kind = \"null\""),
     ];
 
@@ -99,6 +109,8 @@ mod tests {
         ("cache_invalidation", "null"),
         ("flatten", "parquet"),
         ("flatten", "null"),
+        ("tiers", "tiers"),
+        ("tiers", "null"),
     ];
 
     fn pipeline(projection: &str, sink: &str) -> String {
