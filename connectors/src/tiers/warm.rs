@@ -92,8 +92,11 @@ pub fn create_statements(layout: &TierLayout) -> Vec<String> {
         .iter()
         .map(|c| format!(", {} {}", quote(&c.name), c.kind.sql()))
         .collect();
-    vec![
-        format!("CREATE SCHEMA IF NOT EXISTS {}", quote(schema)),
+    let mut statements = Vec::new();
+    if schema != "public" {
+        statements.push(format!("CREATE SCHEMA IF NOT EXISTS {}", quote(schema)));
+    }
+    statements.extend([
         format!(
             "CREATE TABLE IF NOT EXISTS {} (device_id text NOT NULL, ts timestamptz NOT NULL, \
              region text NOT NULL, device_hash text NOT NULL{columns}, \
@@ -106,7 +109,8 @@ pub fn create_statements(layout: &TierLayout) -> Vec<String> {
              started_at timestamptz NOT NULL DEFAULT now(), finished_at timestamptz)",
             aging_table(layout)
         ),
-    ]
+    ]);
+    statements
 }
 
 /// Creates the warm table and the aging table when missing.
