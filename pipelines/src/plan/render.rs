@@ -77,6 +77,13 @@ fn render_pipeline(out: &mut String, loaded: &LoadedPipeline, state: &Path) {
         b.max_delay_ms,
         c.pipeline.queue_depth
     );
+    if c.pipeline.clock.trim() != "wall" {
+        let _ = writeln!(
+            out,
+            "  clock       {} (ages of time-based projections are measured on it, not the system clock)",
+            c.pipeline.clock
+        );
+    }
 }
 
 /// The checkpoint stored under `state`: the position per partition, none yet, held by a running
