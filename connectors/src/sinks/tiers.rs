@@ -26,9 +26,9 @@ use crate::{Intake, Sink, SinkBatch, SinkError, WriteReport};
 /// What the tiers sink accepts: tier writes.
 type Accepted<'a> = &'a TierWrite;
 
-/// Hot-tier operations per pipelined round trip (seven commands each): large enough to hide
-/// the round trip, small enough that one reply buffer stays under a few MiB.
-const HOT_OPS_PER_PIPELINE: usize = 2_000;
+/// Hot-tier commands per pipelined round trip: large enough to hide the round trip, small
+/// enough that one request stays under a few MiB.
+const HOT_COMMANDS_PER_PIPELINE: usize = 10_000;
 /// Device-days of late heartbeats rewritten at once: object stores answer each request in
 /// milliseconds, so some must be in flight together.
 const COLD_CONCURRENCY: usize = 16;
@@ -219,34 +219,26 @@ impl TiersSink {
             Ok(_) => unlocked.map_err(|e| self.warm_error("cannot release the cold lock", e)),
         }
     }
+}
 
-    /// Sends the batch's hot writes, pipelined.
-    async fn write_hot(&mut self, ops: &[&TierWrite]) -> Result<(), SinkError> {
-        let layout = self.layout()?.clone();
-        let hot_ops: Vec<&&TierWrite> = ops.iter().filter(|op| op.tier == Tier::Hot).collect();
-        for chunk in hot_ops.chunks(HOT_OPS_PER_PIPELINE) {
-            let mut pipe = redis::pipe();
-            for op in chunk {
-                match op.action {
-                    TierAction::Put => hot::put(&mut pipe, &layout, &op.heartbeat, op.clock_micros),
-                    TierAction::Delete => hot::delete(&mut pipe, &layout, &op.heartbeat),
-                }
-            }
-            let connector = self
-                .redis
-                .as_mut()
-                .ok_or_else(|| SinkError::not_open("tiers"))?;
-            connector.run(&pipe).await.map_err(|e| {
-                redis_error(
-                    &self.name,
-                    &layout.stores.hot.url,
-                    "hot tier: cannot write",
-                    e,
-                )
-            })?;
+/// Sends hot-tier `commands`, pipelined.
+async fn send_hot(
+    connector: &mut Connector,
+    name: &str,
+    layout: &TierLayout,
+    commands: &[redis::Cmd],
+) -> Result<(), SinkError> {
+    for chunk in commands.chunks(HOT_COMMANDS_PER_PIPELINE) {
+        let mut pipe = redis::pipe();
+        for command in chunk {
+            pipe.add_command(command.clone()).ignore();
         }
-        Ok(())
+        connector
+            .run(&pipe)
+            .await
+            .map_err(|e| redis_error(name, &layout.stores.hot.url, "hot tier: cannot write", e))?;
     }
+    Ok(())
 }
 
 #[async_trait]
@@ -267,9 +259,28 @@ impl Sink for TiersSink {
     async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
         let ops = batch.intake::<Accepted>(&self.name)?;
         self.connect().await?;
-        self.write_warm(&ops).await?;
+        // Warm and hot are written at once (each is idempotent, and a failure of either fails
+        // the batch); cold after warm, whose connection holds the cold lock.
+        let layout = self.layout()?.clone();
+        let hot_ops: Vec<&TierWrite> = ops
+            .iter()
+            .copied()
+            .filter(|op| op.tier == Tier::Hot)
+            .collect();
+        let commands = hot::batch_commands(&layout, &hot_ops);
+        let mut connector = self
+            .redis
+            .take()
+            .ok_or_else(|| SinkError::not_open("tiers"))?;
+        let name = self.name.clone();
+        let (warm, hot) = tokio::join!(
+            self.write_warm(&ops),
+            send_hot(&mut connector, &name, &layout, &commands)
+        );
+        self.redis = Some(connector);
+        warm?;
         self.write_cold(&ops).await?;
-        self.write_hot(&ops).await?;
+        hot?;
         let deleted = ops
             .iter()
             .filter(|op| op.action == TierAction::Delete)

@@ -7,14 +7,16 @@
 //! - `{prefix}:{region}:online`: a sorted set per region of its devices, scored by their newest
 //!   heartbeat (`ZADD GT`): "devices online in the last N minutes" is one `ZCOUNT`.
 //!
-//! Every write trims the device's set and the region's set to the window, measured on the
-//! pipeline clock of the change, and sets a time to live of one window: a device that falls
+//! Every batch trims the device sets and the region sets it wrote to the window, measured on the
+//! pipeline clock of its changes, and sets a time to live of one window: a device that falls
 //! silent disappears by itself. The aging pass trims every set to the window again (a silent
 //! device's set is not touched by writes, and an accelerated clock outruns the time to live).
 
-use redis::Pipeline;
+use std::collections::{BTreeMap, BTreeSet};
+
+use redis::Cmd;
 use refract_schemas::config::{TierColumn, TierLayout};
-use refract_schemas::write::tiers::Heartbeat;
+use refract_schemas::write::tiers::{Heartbeat, TierAction, TierWrite};
 use serde_json::{Map, Value};
 
 /// The member field holding the event time (microseconds since the epoch).
@@ -90,56 +92,63 @@ fn ttl_ms(layout: &TierLayout) -> i64 {
     (layout.hot_micros / 1_000).max(1)
 }
 
-/// Appends the commands that store `h` (seen at pipeline clock `clock`) to `pipe`.
-pub fn put(pipe: &mut Pipeline, layout: &TierLayout, h: &Heartbeat, clock: i64) {
-    let key = device_key(layout, &h.region, &h.device_hash, &h.device_id);
-    let region = region_key(layout, &h.region);
+/// The commands that apply a batch's hot writes, in an order that keeps the batch's order per
+/// key: per heartbeat a `ZREMRANGEBYSCORE` of its time (a repeat replaces it) and, for a put,
+/// its `ZADD`; then once per device set touched, a trim to the window and a time to live; then
+/// once per region, one `ZADD GT` of its devices' newest times, a trim and a time to live. The
+/// window is measured on the newest clock of the batch (the clock only moves forward).
+pub fn batch_commands(layout: &TierLayout, ops: &[&TierWrite]) -> Vec<Cmd> {
+    let Some(clock) = ops.iter().map(|op| op.clock_micros).max() else {
+        return Vec::new();
+    };
     let oldest_kept = clock - layout.hot_micros;
-    let member = member(&layout.heartbeats.columns, h);
-    pipe.cmd("ZREMRANGEBYSCORE")
-        .arg(&key)
-        .arg(h.ts_micros)
-        .arg(h.ts_micros)
-        .ignore()
-        .cmd("ZADD")
-        .arg(&key)
-        .arg(h.ts_micros)
-        .arg(member)
-        .ignore()
-        .cmd("ZREMRANGEBYSCORE")
-        .arg(&key)
-        .arg("-inf")
-        .arg(oldest_kept)
-        .ignore()
-        .cmd("PEXPIRE")
-        .arg(&key)
-        .arg(ttl_ms(layout))
-        .ignore()
-        .cmd("ZADD")
-        .arg(&region)
-        .arg("GT")
-        .arg(h.ts_micros)
-        .arg(&h.device_id)
-        .ignore()
-        .cmd("ZREMRANGEBYSCORE")
-        .arg(&region)
-        .arg("-inf")
-        .arg(oldest_kept)
-        .ignore()
-        .cmd("PEXPIRE")
-        .arg(&region)
-        .arg(ttl_ms(layout))
-        .ignore();
+    let mut commands = Vec::with_capacity(ops.len() * 2 + 16);
+    let mut devices: BTreeSet<String> = BTreeSet::new();
+    let mut regions: BTreeMap<&str, BTreeMap<&str, i64>> = BTreeMap::new();
+    for op in ops {
+        let h = &op.heartbeat;
+        let key = device_key(layout, &h.region, &h.device_hash, &h.device_id);
+        let mut remove = redis::cmd("ZREMRANGEBYSCORE");
+        remove.arg(&key).arg(h.ts_micros).arg(h.ts_micros);
+        commands.push(remove);
+        if op.action == TierAction::Put {
+            let mut add = redis::cmd("ZADD");
+            add.arg(&key)
+                .arg(h.ts_micros)
+                .arg(member(&layout.heartbeats.columns, h));
+            commands.push(add);
+            let newest = regions
+                .entry(&h.region)
+                .or_default()
+                .entry(&h.device_id)
+                .or_default();
+            *newest = (*newest).max(h.ts_micros);
+            devices.insert(key);
+        }
+    }
+    for key in &devices {
+        commands.extend(trim_and_expire(layout, key, oldest_kept));
+    }
+    for (region, newest) in regions {
+        let key = region_key(layout, region);
+        let mut add = redis::cmd("ZADD");
+        add.arg(&key).arg("GT");
+        for (device, ts) in newest {
+            add.arg(ts).arg(device);
+        }
+        commands.push(add);
+        commands.extend(trim_and_expire(layout, &key, oldest_kept));
+    }
+    commands
 }
 
-/// Appends the commands that remove the heartbeat of `h`'s device and time.
-pub fn delete(pipe: &mut Pipeline, layout: &TierLayout, h: &Heartbeat) {
-    let key = device_key(layout, &h.region, &h.device_hash, &h.device_id);
-    pipe.cmd("ZREMRANGEBYSCORE")
-        .arg(key)
-        .arg(h.ts_micros)
-        .arg(h.ts_micros)
-        .ignore();
+/// Trims the sorted set `key` to scores above `oldest_kept` and makes it live one window.
+fn trim_and_expire(layout: &TierLayout, key: &str, oldest_kept: i64) -> [Cmd; 2] {
+    let mut trim = redis::cmd("ZREMRANGEBYSCORE");
+    trim.arg(key).arg("-inf").arg(oldest_kept);
+    let mut expire = redis::cmd("PEXPIRE");
+    expire.arg(key).arg(ttl_ms(layout));
+    [trim, expire]
 }
 
 /// Decodes a JSON object member into its map (for callers that print members as they are).
