@@ -5,6 +5,7 @@
 //! - [`warm`]: a PostgreSQL table partitioned by the hour;
 //! - [`cold`]: zstd Parquet by device and day on object storage.
 
+pub mod aging;
 pub mod cold;
 pub mod hot;
 pub mod warm;
@@ -29,7 +30,7 @@ pub fn cold_lock_sql(layout: &TierLayout, lock: bool) -> String {
     )
 }
 
-fn quote_literal(text: &str) -> String {
+pub(crate) fn quote_literal(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
 
