@@ -13,6 +13,7 @@ pub mod cache;
 pub mod kafka;
 pub mod parquet;
 pub mod registry;
+pub mod tiers;
 
 /// Whether the suite runs in CI (`CI=true`), where the big data sizes shrink.
 pub fn in_ci() -> bool {
