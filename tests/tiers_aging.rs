@@ -552,9 +552,9 @@ fn a_heartbeat_written_to_a_detached_hour_is_aged_by_a_later_run() {
         ],
         "day 1 aged by run 1, its late hour by run 2"
     );
-    let second = db.duckdb(&format!(
-        "SELECT device_id, epoch_us(ts) FROM {{cold}} WHERE filename LIKE '%/aged-000000000002.parquet'"
-    ));
+    let second = db.duckdb(
+        "SELECT device_id, epoch_us(ts) FROM {cold} WHERE filename LIKE '%/aged-000000000002.parquet'",
+    );
     assert_eq!(second, vec![serde_json::json!([device, ts])]);
     assert_tiers_hold_the_source(&db, clock - WARM_WINDOW, &[device.to_owned()]);
     daemon.terminate();
