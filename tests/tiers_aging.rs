@@ -18,10 +18,10 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::tiers::{
-    DAY, HOUR, TierDb, WARM, instant, redis_connection, shipped_pipeline, wait_until,
+    DAY, HOUR, TierDb, WARM, assert_hot_holds_the_window, assert_runs_over,
+    assert_tiers_hold_the_source, instant, shipped_pipeline, wait_until,
 };
 use common::{Rng, Running, in_ci, pg};
-use serde_json::Value;
 
 /// 2026-01-01T00:00:00Z, where every test's heartbeats start.
 const T0: i64 = 1_767_225_600_000_000;
@@ -53,7 +53,7 @@ fn insert_heartbeats(db: &TierDb, devices: i64, interval_s: i64, days: i64) {
 fn aging_backend(pg: &mut postgres::Client) -> Option<(String, String)> {
     pg.query_opt(
         "SELECT coalesce(state, ''), left(query, 60) FROM pg_stat_activity \
-         WHERE application_name = $1 ORDER BY backend_start DESC LIMIT 1",
+         WHERE datname = current_database() AND application_name = $1 ORDER BY backend_start DESC LIMIT 1",
         &[&AGING_APP],
     )
     .unwrap()
@@ -149,170 +149,46 @@ fn step_hit(state: Option<&str>, statement: &str, landed: bool) -> &'static str 
     }
 }
 
-/// A sample of devices' rows in the source, and in warm and cold together (cold read by
-/// DuckDB), as `(device, ts, region, battery, signal, lat, lon)` in device and time order.
-type SampleRow = (
-    String,
-    i64,
-    String,
-    Option<f32>,
-    Option<i64>,
-    Option<u64>,
-    Option<u64>,
-);
-
-fn sample_row(v: &Value) -> SampleRow {
-    (
-        v[0].as_str().unwrap().to_owned(),
-        v[1].as_i64().unwrap(),
-        v[2].as_str().unwrap().to_owned(),
-        v[3].as_f64().map(|f| f as f32),
-        v[4].as_i64(),
-        v[5].as_f64().map(f64::to_bits),
-        v[6].as_f64().map(f64::to_bits),
-    )
-}
-
-fn pg_rows(db: &TierDb, table: &str, devices: &[String]) -> Vec<SampleRow> {
-    let list: Vec<String> = devices.iter().map(|d| format!("'{d}'")).collect();
-    let json = db.sql(&format!(
-        "SELECT coalesce(json_agg(json_build_array(device_id, \
-         (extract(epoch FROM ts) * 1000000)::bigint, region, battery, signal, lat, lon) \
-         ORDER BY device_id, ts), '[]') FROM {table} WHERE device_id IN ({})",
-        list.join(", ")
-    ));
-    let rows: Vec<Value> = serde_json::from_str(&json).unwrap();
-    rows.iter().map(sample_row).collect()
-}
-
-fn cold_rows(db: &TierDb, devices: &[String]) -> Vec<SampleRow> {
-    let list: Vec<String> = devices.iter().map(|d| format!("'{d}'")).collect();
-    db.duckdb(&format!(
-        "SELECT device_id, epoch_us(ts), region, battery, signal, lat, lon FROM {{cold}} \
-         WHERE device_id IN ({}) ORDER BY 1, 2",
-        list.join(", ")
-    ))
-    .iter()
-    .map(sample_row)
-    .collect()
-}
-
-/// Asserts warm + cold hold exactly the source's heartbeats: per device and day, cold only
-/// before `aged_before` and warm only after, and row for row for `sample`.
-fn assert_tiers_hold_the_source(db: &TierDb, aged_before: i64, sample: &[String]) -> usize {
-    let boundary = aged_before.div_euclid(DAY);
-    let mut wrong = Vec::new();
-    let mut rows = 0;
-    for ((device, day), [source, warm, cold]) in db.counts() {
-        rows += source;
-        let expected = if day < boundary {
-            [source, 0, source]
-        } else {
-            [source, source, 0]
-        };
-        if [source, warm, cold] != expected {
-            wrong.push(format!(
-                "{device} day {day}: source {source}, warm {warm}, cold {cold}"
-            ));
-        }
+/// Starts `refract tiers age` at `clock` `kills` times, each SIGKILLed at a moment drawn from
+/// the aims in turn; returns how many kills hit each step.
+fn kill_passes(
+    db: &TierDb,
+    pipeline: &std::path::Path,
+    clock: i64,
+    kills: usize,
+    rng: &mut Rng,
+) -> BTreeMap<&'static str, usize> {
+    let mut pg = db.client();
+    let aims = [
+        Aim::Moment,
+        Aim::State("detaching"),
+        Aim::State("exporting"),
+        Aim::State("exported"),
+        Aim::Statement("DROP TABLE"),
+    ];
+    let age_url = format!("{}?application_name={AGING_APP}", db.url);
+    let mut hits: BTreeMap<&str, usize> = BTreeMap::new();
+    for i in 0..kills {
+        let aim = aims[i % aims.len()];
+        let mut aging = Running::spawn(
+            db.refract(clock, Some(&age_url))
+                .arg("tiers")
+                .arg(pipeline)
+                .arg("age")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+        );
+        let (landed, statement) = aim_and_kill(&mut pg, &mut aging, aim, rng);
+        wait_until("the killed pass's session ended", || {
+            aging_backend(&mut pg).is_none()
+        });
+        let state = unfinished_state(&mut pg);
+        let step = step_hit(state.as_deref(), &statement, landed);
+        let dropped = db.runs().iter().filter(|r| r.2 == "dropped").count();
+        println!("kill {i} ({aim:?}): hit {step}; {dropped} run(s) dropped so far");
+        *hits.entry(step).or_default() += 1;
     }
-    assert!(
-        wrong.is_empty(),
-        "{} device-days differ, e.g. {:?}",
-        wrong.len(),
-        &wrong[..wrong.len().min(5)]
-    );
-    assert!(rows > 0);
-    let source = pg_rows(db, "device_heartbeats", sample);
-    let mut tiers = pg_rows(db, WARM, sample);
-    tiers.extend(cold_rows(db, sample));
-    tiers.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
-    assert_eq!(source.len(), tiers.len(), "sample rows");
-    for (s, t) in source.iter().zip(&tiers) {
-        assert_eq!(s, t, "row of the sample");
-    }
-    println!(
-        "compared: {rows} heartbeats per device and day (source = warm + cold), {} row for row \
-         for devices {sample:?}",
-        source.len()
-    );
-    rows as usize
-}
-
-/// Asserts the hot tier holds exactly the source heartbeats younger than the hot window at
-/// `clock`: each device's set, and each region's set of devices scored by their newest.
-fn assert_hot_holds_the_window(db: &TierDb, clock: i64) {
-    let prefix = db.prefix();
-    let mut expected: BTreeMap<String, BTreeSet<i64>> = BTreeMap::new();
-    let mut regions: BTreeMap<String, BTreeMap<String, i64>> = BTreeMap::new();
-    let text = db.sql(&format!(
-        "SELECT device_id, region, left(md5(device_id), 4), (extract(epoch FROM ts) * 1000000)::bigint \
-         FROM device_heartbeats WHERE ts > '{}'::timestamptz",
-        instant(clock - HOT)
-    ));
-    for line in text.lines().filter(|l| !l.is_empty()) {
-        let f: Vec<&str> = line.split('|').collect();
-        let ts: i64 = f[3].parse().unwrap();
-        let key = format!("{prefix}:{}:{}:{}", f[1], f[2], f[0]);
-        expected.entry(key).or_default().insert(ts);
-        let newest = regions
-            .entry(format!("{prefix}:{}:online", f[1]))
-            .or_default()
-            .entry(f[0].to_owned())
-            .or_insert(ts);
-        *newest = (*newest).max(ts);
-    }
-    let mut conn = redis_connection();
-    let keys = db.redis_keys();
-    let wanted: BTreeSet<&String> = expected.keys().chain(regions.keys()).collect();
-    let present: BTreeSet<&String> = keys.iter().collect();
-    assert_eq!(present, wanted, "hot keys");
-    for (key, times) in &expected {
-        let held: Vec<(String, f64)> = redis::cmd("ZRANGE")
-            .arg(key)
-            .arg(0)
-            .arg(-1)
-            .arg("WITHSCORES")
-            .query(&mut conn)
-            .unwrap();
-        let held: BTreeSet<i64> = held.iter().map(|(_, s)| *s as i64).collect();
-        assert_eq!(&held, times, "{key}");
-    }
-    for (key, devices) in &regions {
-        let held: Vec<(String, f64)> = redis::cmd("ZRANGE")
-            .arg(key)
-            .arg(0)
-            .arg(-1)
-            .arg("WITHSCORES")
-            .query(&mut conn)
-            .unwrap();
-        let held: BTreeMap<String, i64> = held.into_iter().map(|(d, s)| (d, s as i64)).collect();
-        assert_eq!(&held, devices, "{key}");
-    }
-    println!(
-        "hot: {} device set(s) and {} region set(s), exactly the last two hours",
-        expected.len(),
-        regions.len()
-    );
-}
-
-/// Asserts every run is over, and no detached table and no duplicate in cold is left.
-fn assert_runs_over(db: &TierDb) -> Vec<(i64, String, String, i64, i64)> {
-    let runs = db.runs();
-    let open: Vec<_> = runs.iter().filter(|r| r.2 != "dropped").collect();
-    assert!(open.is_empty(), "unfinished runs: {open:?}");
-    assert_eq!(db.leftover_aging_tables(), "", "detached tables left");
-    assert_eq!(
-        db.cold_duplicates(),
-        Vec::<Value>::new(),
-        "(device, ts) in cold twice"
-    );
-    assert_eq!(
-        db.misplaced_cold_rows(),
-        0,
-        "cold rows outside their device's day"
-    );
-    runs
+    hits
 }
 
 #[test]
@@ -356,37 +232,8 @@ fn sigkilled_aging_passes_lose_nothing_and_copy_nothing_twice() {
         started.elapsed().as_secs_f64()
     );
 
-    let mut pg = db.client();
     let mut rng = Rng::new(23);
-    let aims = [
-        Aim::Moment,
-        Aim::State("detaching"),
-        Aim::State("exporting"),
-        Aim::State("exported"),
-        Aim::Statement("DROP TABLE"),
-    ];
-    let age_url = format!("{}?application_name={AGING_APP}", db.url);
-    let mut hits: BTreeMap<&str, usize> = BTreeMap::new();
-    for i in 0..kills {
-        let aim = aims[i % aims.len()];
-        let mut aging = Running::spawn(
-            db.refract(clock, Some(&age_url))
-                .arg("tiers")
-                .arg(&pipeline)
-                .arg("age")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null()),
-        );
-        let (landed, statement) = aim_and_kill(&mut pg, &mut aging, aim, &mut rng);
-        wait_until("the killed pass's session ended", || {
-            aging_backend(&mut pg).is_none()
-        });
-        let state = unfinished_state(&mut pg);
-        let step = step_hit(state.as_deref(), &statement, landed);
-        let dropped = db.runs().iter().filter(|r| r.2 == "dropped").count();
-        println!("kill {i} ({aim:?}): hit {step}; {dropped} run(s) dropped so far");
-        *hits.entry(step).or_default() += 1;
-    }
+    let hits = kill_passes(&db, &pipeline, clock, kills, &mut rng);
     println!("kills per step: {hits:?}");
     let inside: usize = ["detach", "export", "verify", "drop"]
         .iter()
@@ -409,7 +256,7 @@ fn sigkilled_aging_passes_lose_nothing_and_copy_nothing_twice() {
         .map(|d| format!("dev-{d:04}"))
         .collect();
     assert_tiers_hold_the_source(&db, clock - WARM_WINDOW, &sample);
-    assert_hot_holds_the_window(&db, clock);
+    assert_hot_holds_the_window(&db, clock, HOT);
 }
 
 #[test]
@@ -452,6 +299,49 @@ fn a_heartbeat_in_warm_and_in_the_late_file_ends_in_cold_once() {
     assert!(held[0][1].as_str().unwrap().ends_with("/late.parquet"));
 }
 
+/// Takes the cold lock in a session of the test, then starts `refract tiers age` at `clock`
+/// and waits until its first run has detached its day and waits for that lock; returns the
+/// pass and the session holding the lock.
+fn start_a_pass_held_at_the_cold_lock(
+    db: &TierDb,
+    pipeline: &std::path::Path,
+    clock: i64,
+) -> (std::process::Child, postgres::Client) {
+    let mut holder = db.client();
+    holder
+        .batch_execute(&format!(
+            "SELECT pg_advisory_lock(hashtext('refract.tiers.cold:' || '{WARM}'))"
+        ))
+        .unwrap();
+    let age_url = format!("{}?application_name={AGING_APP}", db.url);
+    let aging = db
+        .refract(clock, Some(&age_url))
+        .arg("tiers")
+        .arg(pipeline)
+        .arg("age")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut pg = db.client();
+    wait_until(
+        "the pass detached day 1 and waits for the cold lock",
+        || {
+            newest_run(&mut pg) == Some((1, "exporting".into()))
+                && pg
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                     AND application_name = $1 AND wait_event_type = 'Lock'",
+                        &[&AGING_APP],
+                    )
+                    .unwrap()
+                    .get::<_, i64>(0)
+                    == 1
+        },
+    );
+    (aging, holder)
+}
+
 #[test]
 fn a_heartbeat_written_to_a_detached_hour_is_aged_by_a_later_run() {
     let db = TierDb::new("aging_late");
@@ -474,40 +364,8 @@ fn a_heartbeat_written_to_a_detached_hour_is_aged_by_a_later_run() {
             .is_ok_and(|r| r.get::<_, i64>(0) == 96)
     });
 
-    // The test holds the cold lock: the pass detaches day 1 and waits before exporting it.
-    let mut holder = db.client();
-    holder
-        .batch_execute(&format!(
-            "SELECT pg_advisory_lock(hashtext('refract.tiers.cold:' || '{WARM}'))"
-        ))
-        .unwrap();
     let clock = T0 + 32 * DAY;
-    let age_url = format!("{}?application_name={AGING_APP}", db.url);
-    let aging = db
-        .refract(clock, Some(&age_url))
-        .arg("tiers")
-        .arg(&pipeline)
-        .arg("age")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut pg = db.client();
-    wait_until(
-        "the pass detached day 1 and waits for the cold lock",
-        || {
-            newest_run(&mut pg) == Some((1, "exporting".into()))
-                && pg
-                    .query_one(
-                        "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
-                     AND wait_event_type = 'Lock'",
-                        &[&AGING_APP],
-                    )
-                    .unwrap()
-                    .get::<_, i64>(0)
-                    == 1
-        },
-    );
+    let (aging, mut holder) = start_a_pass_held_at_the_cold_lock(&db, &pipeline, clock);
     // A heartbeat for an hour of day 1 whose partition is now detached.
     let (device, ts) = ("dev-0001", T0 + 5 * HOUR + 30 * 60_000_000);
     db.sql(&format!(

@@ -4,6 +4,8 @@
 //! - [`hot`]: Redis sorted sets per device and per region, trimmed to the hot window;
 //! - [`warm`]: a PostgreSQL table partitioned by the hour;
 //! - [`cold`]: zstd Parquet by device and day on object storage.
+//!
+//! [`aging`] moves warm days past the window to cold and trims the hot tier.
 
 pub mod aging;
 pub mod cold;

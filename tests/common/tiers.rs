@@ -3,7 +3,7 @@
 //! prefix, cold directory and state directory), and DuckDB as the independent reader of the
 //! cold Parquet files.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -372,4 +372,170 @@ pub fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
         assert!(Instant::now() < deadline, "timed out waiting until {what}");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// A sample of devices' rows in the source, and in warm and cold together (cold read by
+/// DuckDB), as `(device, ts, region, battery, signal, lat, lon)` in device and time order.
+pub type SampleRow = (
+    String,
+    i64,
+    String,
+    Option<f32>,
+    Option<i64>,
+    Option<u64>,
+    Option<u64>,
+);
+
+pub fn sample_row(v: &Value) -> SampleRow {
+    (
+        v[0].as_str().unwrap().to_owned(),
+        v[1].as_i64().unwrap(),
+        v[2].as_str().unwrap().to_owned(),
+        v[3].as_f64().map(|f| f as f32),
+        v[4].as_i64(),
+        v[5].as_f64().map(f64::to_bits),
+        v[6].as_f64().map(f64::to_bits),
+    )
+}
+
+pub fn pg_rows(db: &TierDb, table: &str, devices: &[String]) -> Vec<SampleRow> {
+    let list: Vec<String> = devices.iter().map(|d| format!("'{d}'")).collect();
+    let json = db.sql(&format!(
+        "SELECT coalesce(json_agg(json_build_array(device_id, \
+         (extract(epoch FROM ts) * 1000000)::bigint, region, battery, signal, lat, lon) \
+         ORDER BY device_id, ts), '[]') FROM {table} WHERE device_id IN ({})",
+        list.join(", ")
+    ));
+    let rows: Vec<Value> = serde_json::from_str(&json).unwrap();
+    rows.iter().map(sample_row).collect()
+}
+
+pub fn cold_rows(db: &TierDb, devices: &[String]) -> Vec<SampleRow> {
+    let list: Vec<String> = devices.iter().map(|d| format!("'{d}'")).collect();
+    db.duckdb(&format!(
+        "SELECT device_id, epoch_us(ts), region, battery, signal, lat, lon FROM {{cold}} \
+         WHERE device_id IN ({}) ORDER BY 1, 2",
+        list.join(", ")
+    ))
+    .iter()
+    .map(sample_row)
+    .collect()
+}
+
+/// Asserts warm + cold hold exactly the source's heartbeats: per device and day, cold only
+/// before `aged_before` and warm only after, and row for row for `sample`.
+pub fn assert_tiers_hold_the_source(db: &TierDb, aged_before: i64, sample: &[String]) -> usize {
+    let boundary = aged_before.div_euclid(DAY);
+    let mut wrong = Vec::new();
+    let mut rows = 0;
+    for ((device, day), [source, warm, cold]) in db.counts() {
+        rows += source;
+        let expected = if day < boundary {
+            [source, 0, source]
+        } else {
+            [source, source, 0]
+        };
+        if [source, warm, cold] != expected {
+            wrong.push(format!(
+                "{device} day {day}: source {source}, warm {warm}, cold {cold}"
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} device-days differ, e.g. {:?}",
+        wrong.len(),
+        &wrong[..wrong.len().min(5)]
+    );
+    assert!(rows > 0);
+    let source = pg_rows(db, "device_heartbeats", sample);
+    let mut tiers = pg_rows(db, WARM, sample);
+    tiers.extend(cold_rows(db, sample));
+    tiers.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+    assert_eq!(source.len(), tiers.len(), "sample rows");
+    for (s, t) in source.iter().zip(&tiers) {
+        assert_eq!(s, t, "row of the sample");
+    }
+    println!(
+        "compared: {rows} heartbeats per device and day (source = warm + cold), {} row for row \
+         for devices {sample:?}",
+        source.len()
+    );
+    rows as usize
+}
+
+/// Asserts the hot tier holds exactly the source heartbeats younger than the hot window `hot`
+/// at `clock`: each device's set, and each region's set of devices scored by their newest.
+pub fn assert_hot_holds_the_window(db: &TierDb, clock: i64, hot: i64) {
+    let prefix = db.prefix();
+    let mut expected: BTreeMap<String, BTreeSet<i64>> = BTreeMap::new();
+    let mut regions: BTreeMap<String, BTreeMap<String, i64>> = BTreeMap::new();
+    let text = db.sql(&format!(
+        "SELECT device_id, region, left(md5(device_id), 4), (extract(epoch FROM ts) * 1000000)::bigint \
+         FROM device_heartbeats WHERE ts > '{}'::timestamptz",
+        instant(clock - hot)
+    ));
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        let f: Vec<&str> = line.split('|').collect();
+        let ts: i64 = f[3].parse().unwrap();
+        let key = format!("{prefix}:{}:{}:{}", f[1], f[2], f[0]);
+        expected.entry(key).or_default().insert(ts);
+        let newest = regions
+            .entry(format!("{prefix}:{}:online", f[1]))
+            .or_default()
+            .entry(f[0].to_owned())
+            .or_insert(ts);
+        *newest = (*newest).max(ts);
+    }
+    let mut conn = redis_connection();
+    let keys = db.redis_keys();
+    let wanted: BTreeSet<&String> = expected.keys().chain(regions.keys()).collect();
+    let present: BTreeSet<&String> = keys.iter().collect();
+    assert_eq!(present, wanted, "hot keys");
+    for (key, times) in &expected {
+        let held: Vec<(String, f64)> = redis::cmd("ZRANGE")
+            .arg(key)
+            .arg(0)
+            .arg(-1)
+            .arg("WITHSCORES")
+            .query(&mut conn)
+            .unwrap();
+        let held: BTreeSet<i64> = held.iter().map(|(_, s)| *s as i64).collect();
+        assert_eq!(&held, times, "{key}");
+    }
+    for (key, devices) in &regions {
+        let held: Vec<(String, f64)> = redis::cmd("ZRANGE")
+            .arg(key)
+            .arg(0)
+            .arg(-1)
+            .arg("WITHSCORES")
+            .query(&mut conn)
+            .unwrap();
+        let held: BTreeMap<String, i64> = held.into_iter().map(|(d, s)| (d, s as i64)).collect();
+        assert_eq!(&held, devices, "{key}");
+    }
+    println!(
+        "hot: {} device set(s) and {} region set(s), exactly the last two hours",
+        expected.len(),
+        regions.len()
+    );
+}
+
+/// Asserts every run is over, and no detached table and no duplicate in cold is left.
+pub fn assert_runs_over(db: &TierDb) -> Vec<(i64, String, String, i64, i64)> {
+    let runs = db.runs();
+    let open: Vec<_> = runs.iter().filter(|r| r.2 != "dropped").collect();
+    assert!(open.is_empty(), "unfinished runs: {open:?}");
+    assert_eq!(db.leftover_aging_tables(), "", "detached tables left");
+    assert_eq!(
+        db.cold_duplicates(),
+        Vec::<Value>::new(),
+        "(device, ts) in cold twice"
+    );
+    assert_eq!(
+        db.misplaced_cold_rows(),
+        0,
+        "cold rows outside their device's day"
+    );
+    runs
 }
