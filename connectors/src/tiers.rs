@@ -4,7 +4,10 @@
 //! - [`hot`]: Redis sorted sets per device and per region, trimmed to the hot window;
 //! - [`warm`]: a PostgreSQL table partitioned by the hour;
 //! - [`cold`]: zstd Parquet by device and day on object storage.
+//!
+//! [`aging`] moves warm days past the window to cold and trims the hot tier.
 
+pub mod aging;
 pub mod cold;
 pub mod hot;
 pub mod warm;
@@ -29,7 +32,7 @@ pub fn cold_lock_sql(layout: &TierLayout, lock: bool) -> String {
     )
 }
 
-fn quote_literal(text: &str) -> String {
+pub(crate) fn quote_literal(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
 

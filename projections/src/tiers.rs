@@ -12,8 +12,10 @@
 
 use std::sync::Arc;
 
-use md5::{Digest, Md5};
 use refract_schemas::config::{TierColumn, TierColumnType, TiersProjectionConfig, parse_window};
+/// The first four hex digits of `md5(device_id)`: spreads consecutive device ids over shards
+/// (defined in `refract_schemas`, shared with the connectors).
+pub use refract_schemas::write::tiers::device_hash;
 use refract_schemas::write::tiers::{Heartbeat, Tier, TierAction, TierWrite};
 use refract_schemas::{ChangeEvent, Op, Position, Row, TableId};
 use serde_json::Value;
@@ -169,12 +171,6 @@ impl Projection for TiersProjection {
             ))),
         }
     }
-}
-
-/// The first four hex digits of `md5(device_id)`: spreads consecutive device ids over shards.
-pub fn device_hash(device_id: &str) -> String {
-    let digest = Md5::digest(device_id.as_bytes());
-    format!("{:02x}{:02x}", digest[0], digest[1])
 }
 
 /// A non-empty text column.

@@ -14,6 +14,7 @@ pub mod kafka;
 pub mod parquet;
 pub mod registry;
 pub mod tiers;
+pub mod tiers_aging;
 
 /// Whether the suite runs in CI (`CI=true`), where the big data sizes shrink.
 pub fn in_ci() -> bool {

@@ -156,7 +156,15 @@ pub async fn run(
     let config = &loaded.config;
     let startup = Startup::open(config).await?;
     let parts = Parts::build(config, &options);
-    run_parts(config, startup, parts, options, shutdown).await
+    // The tiers' aging passes run beside the pipeline, and end with it.
+    let (end_aging, aging_ended) = watch::channel(false);
+    let aging = crate::tiers::age::spawn_schedule(config, &aging_ended, &shutdown);
+    let result = run_parts(config, startup, parts, options, shutdown).await;
+    end_aging.send_replace(true);
+    for task in aging {
+        let _ = task.await;
+    }
+    result
 }
 
 /// Runs a pipeline with parts already built ([`run`] builds them from the file; the runtime's

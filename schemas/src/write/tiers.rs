@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use md5::{Digest, Md5};
 use serde_json::Value;
 
 use crate::Position;
@@ -68,4 +69,21 @@ pub struct TierWrite {
     pub clock_micros: i64,
     /// Position of the change that produced it.
     pub position: Position,
+}
+
+/// The first four hex digits of `md5(device_id)`: with the region, the shard key of a
+/// heartbeat. One function for the projection that computes it and the connectors that rebuild
+/// a hot-tier key from a device (the aging pass, the queries).
+pub fn device_hash(device_id: &str) -> String {
+    let digest = Md5::digest(device_id.as_bytes());
+    format!("{:02x}{:02x}", digest[0], digest[1])
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn device_hash_is_the_first_four_hex_digits_of_md5() {
+        assert_eq!(super::device_hash(""), "d41d");
+        assert_eq!(super::device_hash("abc"), "9001");
+    }
 }
