@@ -12,7 +12,6 @@
 
 use std::sync::Arc;
 
-use md5::{Digest, Md5};
 use refract_schemas::config::{TierColumn, TierColumnType, TiersProjectionConfig, parse_window};
 use refract_schemas::write::tiers::{Heartbeat, Tier, TierAction, TierWrite};
 use refract_schemas::{ChangeEvent, Op, Position, Row, TableId};
@@ -171,11 +170,9 @@ impl Projection for TiersProjection {
     }
 }
 
-/// The first four hex digits of `md5(device_id)`: spreads consecutive device ids over shards.
-pub fn device_hash(device_id: &str) -> String {
-    let digest = Md5::digest(device_id.as_bytes());
-    format!("{:02x}{:02x}", digest[0], digest[1])
-}
+/// The first four hex digits of `md5(device_id)`: spreads consecutive device ids over shards
+/// (defined beside [`Heartbeat`], where the queries in `connectors` find it too).
+pub use refract_schemas::write::tiers::device_hash;
 
 /// A non-empty text column.
 fn text(row: &Row, column: &str) -> Result<String, ProjectionError> {

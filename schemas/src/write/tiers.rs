@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use md5::{Digest, Md5};
 use serde_json::Value;
 
 use crate::Position;
@@ -68,4 +69,12 @@ pub struct TierWrite {
     pub clock_micros: i64,
     /// Position of the change that produced it.
     pub position: Position,
+}
+
+/// The first four hex digits of `md5(device_id)`: with the region the shard key of a heartbeat,
+/// and part of its hot-tier key. The projection computes it when writing; the queries compute
+/// it again to find a device's hot set.
+pub fn device_hash(device_id: &str) -> String {
+    let digest = Md5::digest(device_id.as_bytes());
+    format!("{:02x}{:02x}", digest[0], digest[1])
 }
