@@ -3,10 +3,12 @@
 //!
 //! - [`hot`]: Redis sorted sets per device and per region, trimmed to the hot window;
 //! - [`warm`]: a PostgreSQL table partitioned by the hour;
-//! - [`cold`]: zstd Parquet by device and day on object storage.
+//! - [`cold`]: zstd Parquet by device and day on object storage;
+//! - [`query`]: the three queries (latest heartbeats, devices online, a time range) across them.
 
 pub mod cold;
 pub mod hot;
+pub mod query;
 pub mod warm;
 
 use std::sync::Arc;
