@@ -125,7 +125,7 @@ pub struct Beat {
 pub enum Habit {
     /// Beats to the end, every `period` minutes in the recent hours.
     Regular,
-    /// Fell silent some hours before the clock.
+    /// Fell silent minutes to days before the clock.
     Quiet,
     /// Fell silent more than 31 days before the clock: only the cold tier has it.
     Archived,
@@ -155,7 +155,16 @@ pub fn heartbeats(devices: &[(String, Habit)], clock: i64, seed: u64) -> Vec<Bea
     for (i, (device, habit)) in devices.iter().enumerate() {
         let silent_from = match habit {
             Habit::Regular => clock,
-            Habit::Quiet => clock - HOUR - rng.below(71) as i64 * HOUR - rng.below(3600) as i64,
+            // Half of them within the last hours, so the hot set has heartbeats from before
+            // the window that no later write trimmed.
+            Habit::Quiet => {
+                let within = if rng.below(2) == 0 {
+                    6 * HOUR
+                } else {
+                    72 * HOUR
+                };
+                clock - MINUTE - rng.below(within as u64) as i64
+            }
             Habit::Archived => clock - 31 * DAY - rng.below(4 * 24) as i64 * HOUR,
         };
         let period = [1, 4, 15, 40][rng.below(4) as usize] * MINUTE;
