@@ -1,13 +1,16 @@
 //! `kind = "tiers"`: heartbeats into the hot (Redis), warm (PostgreSQL) and cold (Parquet) tiers
 //! a `tiers` projection routed them to. The layouts are in [`crate::tiers`].
 //!
-//! A batch is applied warm first (one transaction), then cold (late heartbeats merged into their
-//! device's day under the cold lock), then hot (pipelined). Every step is idempotent, so a
-//! failure anywhere fails the batch, which the runtime retries whole: a Redis outage or a
-//! PostgreSQL restart delays the tiers and loses nothing.
+//! A batch is applied to warm (one transaction) then cold (late heartbeats merged into their
+//! device's day under the cold lock), and meanwhile to hot (pipelined): the stores are
+//! independent, so the batch takes the longer of the two paths, not their sum. Every step is
+//! idempotent, so a failure anywhere fails the batch, which the runtime retries whole: a Redis
+//! outage or a PostgreSQL restart delays the tiers and loses nothing. Batches follow one another,
+//! so a heartbeat's writes keep their order in every tier.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::time::Instant;
 
 use async_trait::async_trait;
 use futures::{StreamExt, TryStreamExt};
@@ -219,34 +222,31 @@ impl TiersSink {
             Ok(_) => unlocked.map_err(|e| self.warm_error("cannot release the cold lock", e)),
         }
     }
+}
 
-    /// Sends the batch's hot writes, pipelined.
-    async fn write_hot(&mut self, ops: &[&TierWrite]) -> Result<(), SinkError> {
-        let layout = self.layout()?.clone();
-        let hot_ops: Vec<&&TierWrite> = ops.iter().filter(|op| op.tier == Tier::Hot).collect();
-        for chunk in hot_ops.chunks(HOT_OPS_PER_PIPELINE) {
-            let mut pipe = redis::pipe();
-            for op in chunk {
-                match op.action {
-                    TierAction::Put => hot::put(&mut pipe, &layout, &op.heartbeat, op.clock_micros),
-                    TierAction::Delete => hot::delete(&mut pipe, &layout, &op.heartbeat),
-                }
+/// Sends the batch's hot writes through `redis`, pipelined (`sink`: the sink's name, for
+/// errors).
+async fn write_hot(
+    redis: &mut Connector,
+    layout: &TierLayout,
+    sink: &str,
+    ops: &[&TierWrite],
+) -> Result<(), SinkError> {
+    let hot_ops: Vec<&&TierWrite> = ops.iter().filter(|op| op.tier == Tier::Hot).collect();
+    for chunk in hot_ops.chunks(HOT_OPS_PER_PIPELINE) {
+        let mut pipe = redis::pipe();
+        for op in chunk {
+            match op.action {
+                TierAction::Put => hot::put(&mut pipe, layout, &op.heartbeat, op.clock_micros),
+                TierAction::Delete => hot::delete(&mut pipe, layout, &op.heartbeat),
             }
-            let connector = self
-                .redis
-                .as_mut()
-                .ok_or_else(|| SinkError::not_open("tiers"))?;
-            connector.run(&pipe).await.map_err(|e| {
-                redis_error(
-                    &self.name,
-                    &layout.stores.hot.url,
-                    "hot tier: cannot write",
-                    e,
-                )
-            })?;
         }
-        Ok(())
+        redis
+            .run(&pipe)
+            .await
+            .map_err(|e| redis_error(sink, &layout.stores.hot.url, "hot tier: cannot write", e))?;
     }
+    Ok(())
 }
 
 #[async_trait]
@@ -267,9 +267,31 @@ impl Sink for TiersSink {
     async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
         let ops = batch.intake::<Accepted>(&self.name)?;
         self.connect().await?;
-        self.write_warm(&ops).await?;
-        self.write_cold(&ops).await?;
-        self.write_hot(&ops).await?;
+        let layout = self.layout()?.clone();
+        let name = self.name.clone();
+        let mut redis = self
+            .redis
+            .take()
+            .ok_or_else(|| SinkError::not_open("tiers"))?;
+        let started = Instant::now();
+        // Hot is written while warm and cold are: three stores, each write idempotent, and the
+        // batch fails (and is retried whole) if any fails.
+        let (stored, hot) = tokio::join!(
+            async {
+                self.write_warm(&ops).await?;
+                let warm_ms = started.elapsed().as_millis();
+                self.write_cold(&ops).await?;
+                Ok::<_, SinkError>((warm_ms, started.elapsed().as_millis()))
+            },
+            async {
+                write_hot(&mut redis, &layout, &name, &ops).await?;
+                Ok::<_, SinkError>(started.elapsed().as_millis())
+            },
+        );
+        self.redis = Some(redis);
+        let (warm_ms, cold_ms) = stored?;
+        let hot_ms = hot?;
+        tracing::debug!(sink = %self.name, ops = ops.len(), warm_ms, cold_ms, hot_ms, "tiers batch written");
         let deleted = ops
             .iter()
             .filter(|op| op.action == TierAction::Delete)

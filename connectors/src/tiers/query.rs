@@ -492,11 +492,11 @@ fn by_time(rows: Vec<Found>) -> BTreeMap<i64, Found> {
 
 /// Which tier's row a merged answer keeps when several hold a time: warm, then cold, then hot.
 ///
-/// Warm is the record: the sink commits a batch there first, in one transaction, and hot copies
-/// it afterwards, so a batch retried after a failure between the two has hot behind (never
-/// ahead of) warm; warm and cold hold the same typed columns, hot JSON text. Warm and cold
-/// hold the same time only while an aging run exports a partition before dropping it, and
-/// then hold the same row. Hot and cold never overlap unless a clock jumped back.
+/// Warm is the record: the sink writes each batch there in one transaction, with the typed
+/// columns cold holds too, while hot is a trimmed copy (JSON text) written beside it and left a
+/// batch ahead or behind while a failed batch waits for its retry. Warm and cold hold the same
+/// time only while an aging run exports a partition before dropping it, and then hold the same
+/// row. Hot and cold never overlap unless a clock jumped back.
 pub fn prefer(tier: Tier) -> u8 {
     match tier {
         Tier::Warm => 2,
