@@ -3,13 +3,15 @@
 //!
 //! - [`hot`]: Redis sorted sets per device and per region, trimmed to the hot window;
 //! - [`warm`]: a PostgreSQL table partitioned by the hour;
-//! - [`cold`]: zstd Parquet by device and day on object storage.
+//! - [`cold`]: zstd Parquet by device and day on object storage;
+//! - [`query`]: the three queries (latest heartbeats, devices online, a time range) across them.
 //!
 //! [`aging`] moves warm days past the window to cold and trims the hot tier.
 
 pub mod aging;
 pub mod cold;
 pub mod hot;
+pub mod query;
 pub mod warm;
 
 use std::sync::Arc;

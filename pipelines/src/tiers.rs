@@ -122,7 +122,7 @@ pub fn run(
             } => query::online(&layout, &clock, &region, minutes).await,
             TiersCommand::Range {
                 device, from, to, ..
-            } => query::range(&layout, &device, &from, &to).await,
+            } => query::range(&layout, &clock, &device, &from, &to).await,
         }
     });
     match result {

@@ -1,13 +1,16 @@
 //! `kind = "tiers"`: heartbeats into the hot (Redis), warm (PostgreSQL) and cold (Parquet) tiers
 //! a `tiers` projection routed them to. The layouts are in [`crate::tiers`].
 //!
-//! A batch is applied warm first (one transaction), then cold (late heartbeats merged into their
-//! device's day under the cold lock), then hot (pipelined). Every step is idempotent, so a
-//! failure anywhere fails the batch, which the runtime retries whole: a Redis outage or a
-//! PostgreSQL restart delays the tiers and loses nothing.
+//! A batch is applied to warm (one transaction) then cold (late heartbeats merged into their
+//! device's day under the cold lock), and meanwhile to hot (pipelined): the stores are
+//! independent, so the batch takes the longer of the two paths, not their sum. Every step is
+//! idempotent, so a failure anywhere fails the batch, which the runtime retries whole: a Redis
+//! outage or a PostgreSQL restart delays the tiers and loses nothing. Batches follow one another,
+//! so a heartbeat's writes keep their order in every tier.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::time::Instant;
 
 use async_trait::async_trait;
 use futures::{StreamExt, TryStreamExt};
@@ -259,28 +262,37 @@ impl Sink for TiersSink {
     async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
         let ops = batch.intake::<Accepted>(&self.name)?;
         self.connect().await?;
-        // Warm and hot are written at once (each is idempotent, and a failure of either fails
-        // the batch); cold after warm, whose connection holds the cold lock.
         let layout = self.layout()?.clone();
+        let name = self.name.clone();
         let hot_ops: Vec<&TierWrite> = ops
             .iter()
             .copied()
             .filter(|op| op.tier == Tier::Hot)
             .collect();
         let commands = hot::batch_commands(&layout, &hot_ops);
-        let mut connector = self
+        let mut redis = self
             .redis
             .take()
             .ok_or_else(|| SinkError::not_open("tiers"))?;
-        let name = self.name.clone();
-        let (warm, hot) = tokio::join!(
-            self.write_warm(&ops),
-            send_hot(&mut connector, &name, &layout, &commands)
+        let started = Instant::now();
+        // Hot is written while warm and cold are: three stores, each write idempotent, and the
+        // batch fails (and is retried whole) if any fails.
+        let (stored, hot) = tokio::join!(
+            async {
+                self.write_warm(&ops).await?;
+                let warm_ms = started.elapsed().as_millis();
+                self.write_cold(&ops).await?;
+                Ok::<_, SinkError>((warm_ms, started.elapsed().as_millis()))
+            },
+            async {
+                send_hot(&mut redis, &name, &layout, &commands).await?;
+                Ok::<_, SinkError>(started.elapsed().as_millis())
+            },
         );
-        self.redis = Some(connector);
-        warm?;
-        self.write_cold(&ops).await?;
-        hot?;
+        self.redis = Some(redis);
+        let (warm_ms, cold_ms) = stored?;
+        let hot_ms = hot?;
+        tracing::debug!(sink = %self.name, ops = ops.len(), warm_ms, cold_ms, hot_ms, "tiers batch written");
         let deleted = ops
             .iter()
             .filter(|op| op.action == TierAction::Delete)

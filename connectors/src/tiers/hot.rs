@@ -190,7 +190,22 @@ mod tests {
             m,
             r#"{"ts":1770249600123456,"battery":0.25,"note \"x\"":"a\"b"}"#
         );
-        assert_eq!(parse_member(&columns, "d1", "EU", "abcd", &m), Some(h));
+        assert_eq!(
+            parse_member(&columns, "d1", "EU", "abcd", &m),
+            Some(h.clone())
+        );
         assert_eq!(parse_member(&columns, "d1", "EU", "abcd", "[1]"), None);
+        // A double reads back to the same bits (serde_json's default parser missed the last
+        // bit of this one).
+        let lat = -56.715161241197364_f64;
+        let h = Heartbeat {
+            values: vec![json!(lat), Value::Null],
+            ..h
+        };
+        let back = parse_member(&columns, "d1", "EU", "abcd", &member(&columns, &h)).unwrap();
+        assert_eq!(
+            back.values[0].as_f64().map(f64::to_bits),
+            Some(lat.to_bits())
+        );
     }
 }
