@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use refract_schemas::config::{TierColumn, TierColumnType, TiersProjectionConfig, parse_window};
+use refract_schemas::config::{TierColumn, TierColumnType, TiersProjectionConfig, window_micros};
 /// The first four hex digits of `md5(device_id)`: spreads consecutive device ids over shards
 /// (defined in `refract_schemas`, shared with the connectors).
 pub use refract_schemas::write::tiers::device_hash;
@@ -35,12 +35,8 @@ impl TiersProjection {
 
     /// Builds the projection from a validated configuration (windows that parse).
     pub fn new(config: &TiersProjectionConfig) -> Self {
-        let micros = |w: &str| {
-            parse_window(w)
-                .ok()
-                .and_then(|d| i64::try_from(d.as_micros()).ok())
-                .unwrap_or(i64::MAX)
-        };
+        // Validation refuses windows that do not parse; none would mean "never older".
+        let micros = |w: &str| window_micros(w).unwrap_or(i64::MAX);
         Self {
             hot_micros: micros(&config.hot),
             warm_micros: micros(&config.warm),

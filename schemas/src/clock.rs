@@ -80,15 +80,6 @@ impl Clock {
             }
         }
     }
-
-    /// How many clock milliseconds pass per wall millisecond (0 for a fixed clock).
-    pub fn speed(&self) -> f64 {
-        match self.spec {
-            ClockSpec::Wall => 1.0,
-            ClockSpec::Fixed(_) => 0.0,
-            ClockSpec::Accelerated { speed, .. } => speed,
-        }
-    }
 }
 
 /// The system clock, in milliseconds since the epoch.

@@ -28,7 +28,7 @@ pub use load::{ConfigError, ConfigErrors, LoadedPipeline, load, load_str};
 pub use tiers::{
     ColdTierConfig, DEFAULT_AGING_INTERVAL_MS, DEFAULT_PARTITIONS_AHEAD, HotTierConfig, TierColumn,
     TierColumnType, TierLayout, TiersProjectionConfig, TiersSinkConfig, WarmTierConfig,
-    parse_window,
+    parse_window, window_micros,
 };
 pub use validate::routes::Families;
 pub use validate::{is_secret_property, mask_url};

@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use redis::Cmd;
 use refract_schemas::config::{TierColumn, TierLayout};
 use refract_schemas::write::tiers::{Heartbeat, TierAction, TierWrite};
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 /// The member field holding the event time (microseconds since the epoch).
 pub const TS_FIELD: &str = "ts";
@@ -149,14 +149,6 @@ fn trim_and_expire(layout: &TierLayout, key: &str, oldest_kept: i64) -> [Cmd; 2]
     let mut expire = redis::cmd("PEXPIRE");
     expire.arg(key).arg(ttl_ms(layout));
     [trim, expire]
-}
-
-/// Decodes a JSON object member into its map (for callers that print members as they are).
-pub fn member_map(member: &str) -> Option<Map<String, Value>> {
-    match serde_json::from_str(member).ok()? {
-        Value::Object(map) => Some(map),
-        _ => None,
-    }
 }
 
 #[cfg(test)]

@@ -131,9 +131,7 @@ pub struct RunOptions {
 
 /// The wall clock in milliseconds since the epoch (handed to projections, stamped on dead letters).
 pub(crate) fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
+    refract_schemas::clock::wall_ms()
 }
 
 /// The directory holding a pipeline's checkpoint and state.

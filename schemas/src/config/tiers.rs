@@ -226,7 +226,8 @@ impl PipelineFile {
     }
 }
 
-fn window_micros(text: &str) -> Option<i64> {
+/// A window in microseconds, `None` when it does not parse (or does not fit).
+pub fn window_micros(text: &str) -> Option<i64> {
     parse_window(text)
         .ok()
         .and_then(|d| i64::try_from(d.as_micros()).ok())
