@@ -7,6 +7,7 @@
 //! applies.
 
 use refract_schemas::ChangeEvent;
+use refract_schemas::write::migration::MigrationOp;
 use refract_schemas::write::tiers::TierWrite;
 use refract_schemas::write::{DocumentOp, Invalidation, OpFamily, RowChange, WriteOp};
 
@@ -57,6 +58,18 @@ impl<'a> Intake<'a> for &'a TierWrite {
     }
 }
 
+/// Migration rows only.
+impl<'a> Intake<'a> for &'a MigrationOp {
+    const FAMILIES: &'static [OpFamily] = &[OpFamily::Migration];
+
+    fn take(op: &'a WriteOp) -> Option<Self> {
+        match op {
+            WriteOp::Migrate(op) => Some(op),
+            _ => None,
+        }
+    }
+}
+
 /// Every family (a sink that discards what it is given).
 impl<'a> Intake<'a> for &'a WriteOp {
     const FAMILIES: &'static [OpFamily] = OpFamily::ALL;
@@ -82,7 +95,7 @@ impl<'a> Intake<'a> for CacheOp<'a> {
         match op {
             WriteOp::Document(op) => Some(CacheOp::Document(op)),
             WriteOp::Invalidate(op) => Some(CacheOp::Invalidate(op)),
-            WriteOp::Row(_) | WriteOp::Change(_) | WriteOp::Tier(_) => None,
+            WriteOp::Row(_) | WriteOp::Change(_) | WriteOp::Tier(_) | WriteOp::Migrate(_) => None,
         }
     }
 }
@@ -103,7 +116,10 @@ impl<'a> Intake<'a> for TopicOp<'a> {
         match op {
             WriteOp::Change(event) => Some(TopicOp::Change(event)),
             WriteOp::Document(op) => Some(TopicOp::Document(op)),
-            WriteOp::Invalidate(_) | WriteOp::Row(_) | WriteOp::Tier(_) => None,
+            WriteOp::Invalidate(_)
+            | WriteOp::Row(_)
+            | WriteOp::Tier(_)
+            | WriteOp::Migrate(_) => None,
         }
     }
 }

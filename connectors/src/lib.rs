@@ -5,6 +5,7 @@
 
 pub mod dead_letter;
 pub mod intake;
+pub mod migration;
 pub mod registry;
 pub mod schema_registry;
 pub mod sinks;

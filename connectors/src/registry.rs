@@ -7,6 +7,7 @@ use refract_schemas::config::{PipelineFile, SinkConfig, SourceConfig};
 use refract_schemas::write::OpFamily;
 
 use crate::sinks::kafka::KafkaSink;
+use crate::sinks::migration::MigrationSink;
 use crate::sinks::null::NullSink;
 use crate::sinks::object_json::ObjectJsonSink;
 use crate::sinks::parquet::ParquetSink;
@@ -54,6 +55,10 @@ pub fn build_sink(file: &PipelineFile, name: &str, config: &SinkConfig) -> Built
             Box::new(TiersSink::new(name, file.tier_layout(name))),
             DEFAULT_UNHEALTHY_AFTER,
         ),
+        SinkConfig::Migration(c) => (
+            Box::new(MigrationSink::new(name, c.clone())),
+            DEFAULT_UNHEALTHY_AFTER,
+        ),
         SinkConfig::Null(_) => (Box::new(NullSink::new(name)), DEFAULT_UNHEALTHY_AFTER),
     };
     BuiltSink {
@@ -73,6 +78,7 @@ pub fn accepts(config: &SinkConfig) -> &'static [OpFamily] {
         SinkConfig::Postgres(_) => PostgresSink::ACCEPTS,
         SinkConfig::Kafka(_) => KafkaSink::ACCEPTS,
         SinkConfig::Tiers(_) => TiersSink::ACCEPTS,
+        SinkConfig::Migration(_) => MigrationSink::ACCEPTS,
         SinkConfig::Null(_) => NullSink::ACCEPTS,
     }
 }

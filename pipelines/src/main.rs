@@ -11,7 +11,6 @@ use refract::checkpoint::{CheckpointError, CheckpointStore};
 use refract::runtime::{self, RunError, RunOptions};
 use refract_connectors::{BackfillScope, ReadMode};
 use refract_schemas::config::{self, LoadedPipeline};
-use tokio::sync::watch;
 
 /// mimalloc: decoding allocates many small maps and strings across threads, where glibc's
 /// allocator spent a third of the time and kept freed memory per thread arena.
@@ -112,6 +111,15 @@ enum Command {
         #[command(subcommand)]
         command: refract::tiers::TiersCommand,
     },
+    /// Shadow-write migration of a table into a new one while applications keep writing:
+    /// `start` (the dual write), `backfill`, `verify`, `cutover`, `rollback`, `finalize`,
+    /// `status`.
+    Migrate {
+        /// The migration file.
+        migration: PathBuf,
+        #[command(subcommand)]
+        phase: refract::migrate::MigrateCommand,
+    },
     /// Print the JSON Schema of pipeline files (committed as schemas/pipeline.schema.json).
     ConfigSchema,
 }
@@ -124,6 +132,23 @@ fn main() -> ExitCode {
         Command::Validate { pipelines } => {
             let mut failed = false;
             for path in pipelines {
+                if refract::migrate::is_migration_file(&path) {
+                    match refract::migrate::load(&path) {
+                        Ok(m) => println!(
+                            "{}: ok (migration `{}`: {} column(s) of `{}` from `{}`)",
+                            path.display(),
+                            m.config.migration.name,
+                            m.config.columns.len(),
+                            m.config.migration.target,
+                            m.config.migration.source
+                        ),
+                        Err(errors) => {
+                            eprintln!("{errors}");
+                            failed = true;
+                        }
+                    }
+                    continue;
+                }
                 match refract::families::load(&path) {
                     Ok(loaded) => println!(
                         "{}: ok ({} projection(s), {} sink(s))",
@@ -146,6 +171,9 @@ fn main() -> ExitCode {
         Command::Tiers { pipeline, command } => with_pipeline(&pipeline, |loaded, rt| {
             refract::tiers::run(&loaded, rt, command)
         }),
+        Command::Plan { pipeline } if refract::migrate::is_migration_file(&pipeline) => {
+            refract::migrate::plan::run(&pipeline)
+        }
         Command::Plan { pipeline } => with_pipeline(&pipeline, |loaded, rt| {
             let check = rt.block_on(refract::plan::check_source(&loaded));
             print!("{}", refract::plan::render(&loaded, &check));
@@ -228,6 +256,7 @@ fn main() -> ExitCode {
                 }
             }
         }),
+        Command::Migrate { migration, phase } => refract::migrate::run(&migration, phase),
         Command::ConfigSchema => {
             print!("{}", config::json_schema());
             ExitCode::SUCCESS
@@ -248,7 +277,7 @@ fn main() -> ExitCode {
 }
 
 async fn backfill(loaded: LoadedPipeline, scope: BackfillScope) -> ExitCode {
-    let stop_rx = signals();
+    let stop_rx = refract::signals();
     match refract::backfill::run(&loaded, scope, stop_rx).await {
         Ok(refract::backfill::Outcome::Ran(summary)) => {
             print!("{}", summary.render());
@@ -279,31 +308,8 @@ async fn backfill(loaded: LoadedPipeline, scope: BackfillScope) -> ExitCode {
     }
 }
 
-/// SIGINT/SIGTERM turn the returned flag true (drain and stop); a second one exits at once.
-fn signals() -> watch::Receiver<bool> {
-    let (stop_tx, stop_rx) = watch::channel(false);
-    tokio::spawn(async move {
-        use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut int), Ok(mut term)) = (
-            signal(SignalKind::interrupt()),
-            signal(SignalKind::terminate()),
-        ) else {
-            tracing::error!("cannot install signal handlers");
-            return;
-        };
-        tokio::select! { _ = int.recv() => {}, _ = term.recv() => {} }
-        let _ = stop_tx.send(true);
-        tokio::select! { _ = int.recv() => {}, _ = term.recv() => {} }
-        eprintln!(
-            "second signal: exiting without draining (the checkpoint is safe; undelivered changes replay on restart)"
-        );
-        std::process::exit(130);
-    });
-    stop_rx
-}
-
 async fn run(loaded: LoadedPipeline, mode: ReadMode, summary_json: Option<PathBuf>) -> ExitCode {
-    let stop_rx = signals();
+    let stop_rx = refract::signals();
     let options = RunOptions {
         mode,
         backfill: None,

@@ -7,6 +7,7 @@
 pub mod cache_invalidation;
 pub mod document;
 pub mod flatten;
+pub mod migration;
 pub mod relay;
 pub mod replica;
 pub mod state;
@@ -124,6 +125,7 @@ pub fn build(config: &ProjectionConfig) -> Box<dyn Projection> {
         ProjectionConfig::Document(c) => Box::new(document::DocumentProjection::new(c)),
         ProjectionConfig::Relay(c) => Box::new(relay::RelayProjection::new(c)),
         ProjectionConfig::Tiers(c) => Box::new(tiers::TiersProjection::new(c)),
+        ProjectionConfig::Migration(c) => Box::new(migration::MigrationProjection::new(c)),
     }
 }
 
@@ -139,6 +141,7 @@ pub fn emits(config: &ProjectionConfig) -> &'static [OpFamily] {
         ProjectionConfig::Document(_) => document::DocumentProjection::EMITS,
         ProjectionConfig::Relay(_) => relay::RelayProjection::EMITS,
         ProjectionConfig::Tiers(_) => tiers::TiersProjection::EMITS,
+        ProjectionConfig::Migration(_) => migration::MigrationProjection::EMITS,
     }
 }
 

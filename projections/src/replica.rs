@@ -323,6 +323,7 @@ mod tests {
                 WriteOp::Row(r) => format!("F {}", r.change.schema.table),
                 WriteOp::Change(e) => format!("C {}", e.table),
                 WriteOp::Tier(w) => format!("H {}", w.heartbeat.device_id),
+                WriteOp::Migrate(m) => format!("M {:?}", m.action),
             })
             .collect())
     }

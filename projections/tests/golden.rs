@@ -62,6 +62,7 @@ fn run_golden(name: &str, projection: &mut dyn Projection) {
                     WriteOp::Tier(w) => {
                         json!({"line": i + 1, "tier": w.tier.name(), "device": w.heartbeat.device_id, "ts": w.heartbeat.ts_micros, "put": w.action == refract_schemas::write::tiers::TierAction::Put})
                     }
+                    WriteOp::Migrate(m) => json!({"line": i + 1, "migrate": format!("{:?}", m.action)}),
                 }
                 .to_string(),
             );

@@ -13,6 +13,7 @@
 pub mod interpolate;
 mod kafka;
 mod load;
+mod migration;
 mod tiers;
 mod validate;
 
@@ -24,7 +25,14 @@ use serde::{Deserialize, Serialize};
 pub use kafka::{
     KAFKA_SOURCE_RESERVED, KafkaFormat, KafkaSourceConfig, KafkaStart, SchemaRegistryConfig,
 };
-pub use load::{ConfigError, ConfigErrors, LoadedPipeline, load, load_str};
+pub use load::{
+    ConfigError, ConfigErrors, LoadedPipeline, Parsed, load, load_str, parse_file, read_file,
+};
+pub use migration::{
+    ColumnShape, ColumnSpec, DEFAULT_CONTROL_TABLE, DEFAULT_MIGRATION_BATCH_ROWS, MigrationFile,
+    MigrationProjectionConfig, MigrationSection, MigrationSinkConfig, TableShape, TransformKind,
+    is_migration_text,
+};
 pub use tiers::{
     ColdTierConfig, DEFAULT_AGING_INTERVAL_MS, DEFAULT_PARTITIONS_AHEAD, HotTierConfig, TierColumn,
     TierColumnType, TierLayout, TiersProjectionConfig, TiersSinkConfig, WarmTierConfig,
@@ -289,6 +297,8 @@ pub enum ProjectionConfig {
     Relay(RelayProjectionConfig),
     /// Heartbeats routed by age into hot, warm and cold tiers (a `tiers` sink).
     Tiers(TiersProjectionConfig),
+    /// The dual write of a shadow-write migration (written by `refract migrate start`).
+    Migration(MigrationProjectionConfig),
 }
 
 impl PostgresSourceConfig {
@@ -331,6 +341,7 @@ impl ProjectionConfig {
             ProjectionConfig::Document(_) => "document",
             ProjectionConfig::Relay(_) => "relay",
             ProjectionConfig::Tiers(_) => "tiers",
+            ProjectionConfig::Migration(_) => "migration",
         }
     }
 
@@ -343,6 +354,7 @@ impl ProjectionConfig {
             ProjectionConfig::Document(c) => &c.sinks,
             ProjectionConfig::Relay(c) => &c.sinks,
             ProjectionConfig::Tiers(c) => &c.sinks,
+            ProjectionConfig::Migration(c) => &c.sinks,
         }
     }
 }
@@ -704,6 +716,8 @@ pub enum SinkConfig {
     Kafka(KafkaSinkConfig),
     /// Hot (Redis), warm (PostgreSQL hourly partitions) and cold (Parquet) tiers of heartbeats.
     Tiers(TiersSinkConfig),
+    /// The two tables of a shadow-write migration (written by `refract migrate start`).
+    Migration(MigrationSinkConfig),
     /// Discards everything (benchmarks, dry runs).
     Null(NullSinkConfig),
 }
@@ -718,6 +732,7 @@ impl SinkConfig {
             SinkConfig::Postgres(_) => "postgres",
             SinkConfig::Kafka(_) => "kafka",
             SinkConfig::Tiers(_) => "tiers",
+            SinkConfig::Migration(_) => "migration",
             SinkConfig::Null(_) => "null",
         }
     }

@@ -12,12 +12,14 @@
 //! that emit it and the sinks that accept it.
 
 pub mod flat;
+pub mod migration;
 pub mod tiers;
 
 use std::sync::Arc;
 
 use crate::{ChangeEvent, Position, Row};
 use flat::FlatChange;
+use migration::MigrationOp;
 use tiers::TierWrite;
 
 /// What a sink does with a group of operations.
@@ -33,6 +35,8 @@ pub enum OpFamily {
     Changes,
     /// Heartbeats routed to the hot, warm and cold tiers: [`TierWrite`].
     Tiers,
+    /// Rows moved between the two tables of a shadow-write migration: [`MigrationOp`].
+    Migration,
 }
 
 impl OpFamily {
@@ -43,6 +47,7 @@ impl OpFamily {
         OpFamily::Rows,
         OpFamily::Changes,
         OpFamily::Tiers,
+        OpFamily::Migration,
     ];
 
     /// The family's name in messages ("documents").
@@ -53,6 +58,7 @@ impl OpFamily {
             OpFamily::Rows => "flat table rows",
             OpFamily::Changes => "change events",
             OpFamily::Tiers => "tier writes",
+            OpFamily::Migration => "migration rows",
         }
     }
 
@@ -80,6 +86,8 @@ pub enum WriteOp {
     Change(Arc<ChangeEvent>),
     /// A heartbeat for one tier.
     Tier(TierWrite),
+    /// A row of a shadow-write migration.
+    Migrate(MigrationOp),
 }
 
 impl WriteOp {
@@ -91,6 +99,7 @@ impl WriteOp {
             WriteOp::Row(_) => OpFamily::Rows,
             WriteOp::Change(_) => OpFamily::Changes,
             WriteOp::Tier(_) => OpFamily::Tiers,
+            WriteOp::Migrate(_) => OpFamily::Migration,
         }
     }
 
@@ -102,6 +111,7 @@ impl WriteOp {
             WriteOp::Row(op) => &op.position,
             WriteOp::Change(event) => &event.position,
             WriteOp::Tier(op) => &op.position,
+            WriteOp::Migrate(op) => &op.position,
         }
     }
 }
@@ -186,7 +196,7 @@ mod tests {
         assert_eq!(OpFamily::sentence(&[OpFamily::Rows]), "flat table rows");
         assert_eq!(
             OpFamily::sentence(OpFamily::ALL),
-            "documents, cache invalidations, flat table rows, change events and tier writes"
+            "documents, cache invalidations, flat table rows, change events, tier writes and migration rows"
         );
     }
 }

@@ -4,6 +4,7 @@ use async_trait::async_trait;
 use refract_schemas::Checkpoint;
 use refract_schemas::write::flat::FlatOp;
 use refract_schemas::write::tiers::TierAction;
+use refract_schemas::write::migration::MigrationAction;
 use refract_schemas::write::{DocumentOp, OpFamily, WriteOp};
 
 use crate::{Intake, Sink, SinkBatch, SinkError, WriteReport};
@@ -42,6 +43,7 @@ impl Sink for NullSink {
                 WriteOp::Row(row) => row.change.op == FlatOp::Upsert,
                 WriteOp::Change(event) => event.op != refract_schemas::Op::Delete,
                 WriteOp::Tier(w) => w.action == TierAction::Put,
+                WriteOp::Migrate(m) => !matches!(m.action, MigrationAction::Delete { .. }),
                 WriteOp::Invalidate(_) => false,
             };
             if upsert {

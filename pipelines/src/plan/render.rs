@@ -386,6 +386,13 @@ fn render_projection(out: &mut String, name: &str, p: &ProjectionConfig) {
         ProjectionConfig::Flatten(f) => render_flatten(out, name, f),
         ProjectionConfig::Relay(r) => kafka::render_relay(out, name, r),
         ProjectionConfig::Tiers(t) => tiers::render_tiers(out, name, t),
+        ProjectionConfig::Migration(m) => {
+            let _ = writeln!(
+                out,
+                "projection `{name}` (migration): changes of `{}` into `{}` through the transform, and back after a cut-over",
+                m.migration.migration.source, m.migration.migration.target
+            );
+        }
     }
 }
 
@@ -484,6 +491,14 @@ fn render_sink(out: &mut String, loaded: &LoadedPipeline, name: &str, s: &SinkCo
         SinkConfig::Postgres(p) => render_postgres_sink(out, loaded, name, p),
         SinkConfig::Kafka(k) => kafka::render_kafka_sink(out, loaded, name, k),
         SinkConfig::Tiers(t) => tiers::render_tiers_sink(out, loaded, name, t),
+        SinkConfig::Migration(m) => {
+            let _ = writeln!(
+                out,
+                "writes `{name}` (migration): both tables of `{}` and its control row in `{}`",
+                mask_url(&m.url),
+                m.control_table
+            );
+        }
         SinkConfig::Null(_) => {
             let _ = writeln!(out, "writes `{name}` (null): discards everything");
         }

@@ -123,6 +123,42 @@ pub fn load_str(
     lookup: &dyn Fn(&str) -> Option<String>,
     families: Option<&dyn Families>,
 ) -> Result<LoadedPipeline, ConfigErrors> {
+    let parsed = parse_file(file, text, lookup, |config: &mut PipelineFile| {
+        fill_defaults(config);
+        let mut problems = config.validate();
+        if let Some(families) = families {
+            problems.extend(config.route_problems(families));
+        }
+        problems
+    })?;
+    Ok(LoadedPipeline {
+        file: PathBuf::from(file),
+        config: parsed.config,
+        secret_paths: parsed.secret_paths,
+        from_env: parsed.from_env,
+    })
+}
+
+/// A configuration file of type `T` that parsed and validated, with what the environment gave.
+#[derive(Debug, Clone)]
+pub struct Parsed<T> {
+    /// The typed configuration, variables substituted.
+    pub config: T,
+    /// Field paths whose values are secrets (they came from a secret-named variable).
+    pub secret_paths: BTreeSet<String>,
+    /// Field paths whose values came (in part) from the environment, with the variables used.
+    pub from_env: BTreeMap<String, Vec<String>>,
+}
+
+/// Reads any refract configuration file (pipelines, migrations) from text: parse with spans,
+/// interpolate string values, deserialize, then `check` (which may fill defaults) returns the
+/// semantic problems as (field path, message). Every error names `file`, line and field path.
+pub fn parse_file<T: DeserializeOwned>(
+    file: &str,
+    text: &str,
+    lookup: &dyn Fn(&str) -> Option<String>,
+    check: impl FnOnce(&mut T) -> Vec<(String, String)>,
+) -> Result<Parsed<T>, ConfigErrors> {
     let at = |span: Option<Range<usize>>, path: String, message: String| {
         let (line, column) = span.map_or((1, 1), |s| line_col(text, s.start));
         ConfigError {
@@ -158,21 +194,17 @@ pub fn load_str(
     }
 
     let snapshot = root.get_ref().clone();
-    let mut config: PipelineFile =
-        match serde_path_to_error::deserialize(toml::de::Deserializer::from(root)) {
-            Ok(c) => c,
-            Err(e) => {
-                let path = e.path().to_string();
-                let inner = e.into_inner();
-                let (path, span, message) = refine(&snapshot, path, inner);
-                return Err(ConfigErrors(vec![at(span, path, message)]));
-            }
-        };
-    fill_defaults(&mut config);
-    let mut problems = config.validate();
-    if let Some(families) = families {
-        problems.extend(config.route_problems(families));
-    }
+    let mut config: T = match serde_path_to_error::deserialize(toml::de::Deserializer::from(root))
+    {
+        Ok(c) => c,
+        Err(e) => {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            let (path, span, message) = refine(&snapshot, path, inner);
+            return Err(ConfigErrors(vec![at(span, path, message)]));
+        }
+    };
+    let problems = check(&mut config);
     if !problems.is_empty() {
         let errors = problems
             .into_iter()
@@ -183,12 +215,30 @@ pub fn load_str(
             .collect();
         return Err(ConfigErrors(errors));
     }
-    Ok(LoadedPipeline {
-        file: PathBuf::from(file),
+    Ok(Parsed {
         config,
         secret_paths,
         from_env,
     })
+}
+
+/// Reads a configuration file from disk with [`parse_file`], variables from the process
+/// environment.
+pub fn read_file<T: DeserializeOwned>(
+    path: &Path,
+    check: impl FnOnce(&mut T) -> Vec<(String, String)>,
+) -> Result<Parsed<T>, ConfigErrors> {
+    let name = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        ConfigErrors(vec![ConfigError {
+            file: name.clone(),
+            line: 0,
+            column: 0,
+            path: String::new(),
+            message: format!("cannot read the file: {e}"),
+        }])
+    })?;
+    parse_file(&name, &text, &environment, check)
 }
 
 /// Defaults that depend on where a value sits: a document projection's collection is its name.

@@ -29,6 +29,11 @@ pub(super) fn validate(problem: &mut impl FnMut(&str, String), file: &PipelineFi
             ProjectionConfig::CacheInvalidation(c) => cache_invalidation(problem, &base, c),
             ProjectionConfig::Relay(r) => table_patterns(problem, &base, &r.tables),
             ProjectionConfig::Tiers(t) => super::tiers::projection(problem, &base, t),
+            ProjectionConfig::Migration(m) => {
+                for (path, message) in m.migration.validate() {
+                    problem(&format!("{base}.migration.{path}"), message);
+                }
+            }
         }
         routes(problem, projection, &base, &file.sinks);
     }

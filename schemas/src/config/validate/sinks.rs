@@ -21,6 +21,7 @@ pub(super) fn validate(problem: &mut impl FnMut(&str, String), file: &PipelineFi
             SinkConfig::Postgres(s) => postgres(problem, &base, s),
             SinkConfig::Kafka(k) => kafka(problem, &base, k),
             SinkConfig::Tiers(t) => super::tiers::sink(problem, &base, name, t, file),
+            SinkConfig::Migration(_) => {}
             SinkConfig::Null(_) => {}
         }
     }

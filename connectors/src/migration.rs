@@ -1,0 +1,100 @@
+//! Shadow-write migrations: the database side of `refract migrate` (seed 003 §5.2).
+//!
+//! - [`catalog`]: the two tables as the catalog describes them, and the identity index;
+//! - [`rows`]: reading rows in key order and writing them (batched upserts and deletes);
+//! - [`control`]: the control table, one row per migration, that applications and operators
+//!   read (`phase`, `read_from`, positions, timestamps);
+//! - [`backfill`]: existing rows copied in key-order chunks, race-free with the dual write;
+//! - [`verify`]: counts and per-chunk checksums, then a row-by-row diff.
+//!
+//! The dual write itself is the `migration` sink ([`crate::sinks::migration`]) behind a
+//! PostgreSQL source and the `migration` projection.
+
+pub mod backfill;
+pub mod catalog;
+pub mod control;
+pub mod rows;
+pub mod verify;
+
+use crate::sources::postgres::inspect::error_text;
+
+/// What failed in a migration step.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrationError {
+    /// The database refused or failed a statement.
+    #[error("{what}: {message}")]
+    Database {
+        /// What was being done.
+        what: String,
+        /// PostgreSQL's message.
+        message: String,
+        /// Whether trying again may succeed (connection lost, serialization failure).
+        transient: bool,
+    },
+    /// The migration cannot go on as asked (a phase out of order, a table that does not fit).
+    #[error("{0}")]
+    Refused(String),
+}
+
+impl MigrationError {
+    /// Whether trying again may succeed.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, MigrationError::Database { transient: true, .. })
+    }
+}
+
+/// A database error while doing `what`.
+pub fn db(what: impl Into<String>) -> impl FnOnce(tokio_postgres::Error) -> MigrationError {
+    let what = what.into();
+    move |e| {
+        let transient = match e.code() {
+            None => true,
+            Some(code) => matches!(&code.code()[..2], "08" | "40" | "53" | "57" | "58"),
+        };
+        MigrationError::Database {
+            what,
+            message: error_text(&e),
+            transient,
+        }
+    }
+}
+
+/// An ordinary connection to the migration's database, its connection task spawned.
+pub async fn connect(url: &str) -> Result<tokio_postgres::Client, MigrationError> {
+    let config: tokio_postgres::Config = url
+        .parse()
+        .map_err(|e| MigrationError::Refused(format!("invalid PostgreSQL URL: {e}")))?;
+    let (client, connection) = config
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(db("cannot connect to PostgreSQL"))?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "migration connection ended");
+        }
+    });
+    // The notices of `IF EXISTS` and the like are not news to an operator.
+    client
+        .batch_execute("SET client_min_messages = warning")
+        .await
+        .map_err(db("cannot set up the connection"))?;
+    Ok(client)
+}
+
+/// `name` quoted as an SQL identifier.
+pub fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// A table as a file names it (`orders` or `schema.orders`), quoted.
+pub fn quote_table(table: &str) -> String {
+    match table.split_once('.') {
+        Some((schema, name)) => format!("{}.{}", quote_ident(schema), quote_ident(name)),
+        None => quote_ident(table),
+    }
+}
+
+/// A table as a file names it, as a string literal for `regclass` (`'"public"."orders"'`).
+pub fn table_literal(table: &str) -> String {
+    format!("'{}'", quote_table(table).replace('\'', "''"))
+}

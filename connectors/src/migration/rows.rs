@@ -1,0 +1,304 @@
+//! Rows of a migration's tables: read in key order, written in batches.
+//!
+//! Values travel as text both ways: read with `column::text` and turned into JSON by type OID
+//! (the PostgreSQL source's mapping, so a backfilled row and a streamed row are the same value),
+//! written as `text[]` parameters cast to each column's type in the statement. One statement
+//! writes a whole batch (`unnest` of one array per column), whatever its size.
+
+use refract_schemas::{Columns, Row};
+use serde_json::Value;
+use tokio_postgres::GenericClient;
+use tokio_postgres::types::ToSql;
+
+use super::catalog::Table;
+use super::{MigrationError, db, quote_ident};
+use crate::sources::postgres::values::text_to_json;
+
+/// A value as PostgreSQL's text input reads it (`None`: SQL null).
+pub fn pg_text(value: &Value) -> Option<String> {
+    match value {
+        Value::Null => None,
+        Value::String(s) => Some(s.clone()),
+        Value::Bool(b) => Some(b.to_string()),
+        other => Some(other.to_string()),
+    }
+}
+
+/// Reads rows of a table in the order of a set of key columns, a range at a time.
+#[derive(Debug, Clone)]
+pub struct Reader {
+    table: Table,
+    key: Vec<String>,
+    /// Sorted column names, and for each the index of its `::text` in the select list.
+    columns: Columns,
+    select: Vec<usize>,
+    oids: Vec<u32>,
+}
+
+impl Reader {
+    /// A reader of `table` in the order of `key` (its primary key, or columns with a unique
+    /// index: the identity of a target table).
+    pub fn new(table: &Table, key: &[String]) -> Self {
+        let names: Vec<String> = table.shape.columns.iter().map(|c| c.name.clone()).collect();
+        let columns: Columns = names.iter().cloned().collect();
+        let select = columns
+            .names()
+            .iter()
+            .map(|n| names.iter().position(|m| m == n).expect("a column"))
+            .collect();
+        Self {
+            table: table.clone(),
+            key: key.to_vec(),
+            columns,
+            select,
+            oids: table.oids.clone(),
+        }
+    }
+
+    /// The key columns.
+    pub fn key(&self) -> &[String] {
+        &self.key
+    }
+
+    /// The values of the key columns of `row` (null for a missing one).
+    pub fn key_of(&self, row: &Row) -> Vec<Value> {
+        self.key
+            .iter()
+            .map(|k| row.get(k).cloned().unwrap_or(Value::Null))
+            .collect()
+    }
+
+    /// The statement reading the rows whose key is after `$after` (when `after`), at most
+    /// `$through` (when `through`), in key order, at most `limit` (when given), share-locked
+    /// when `lock`.
+    fn statement(&self, after: bool, through: bool, limit: bool, lock: bool) -> String {
+        let list: Vec<String> = self
+            .table
+            .shape
+            .columns
+            .iter()
+            .map(|c| format!("{}::text", quote_ident(&c.name)))
+            .collect();
+        let key: Vec<String> = self.key.iter().map(|k| quote_ident(k)).collect();
+        let key = format!("({})", key.join(", "));
+        let params = |first: usize| -> String {
+            let p: Vec<String> = self
+                .key
+                .iter()
+                .enumerate()
+                .map(|(i, k)| {
+                    format!(
+                        "${}::text::{}",
+                        first + i,
+                        self.table.type_name(k).unwrap_or("text")
+                    )
+                })
+                .collect();
+            format!("({})", p.join(", "))
+        };
+        let mut sql = format!("SELECT {} FROM {}", list.join(", "), self.table.quoted);
+        let mut conditions = Vec::new();
+        let mut next = 1;
+        if after {
+            conditions.push(format!("{key} > {}", params(next)));
+            next += self.key.len();
+        }
+        if through {
+            conditions.push(format!("{key} <= {}", params(next)));
+            next += self.key.len();
+        }
+        if !conditions.is_empty() {
+            sql.push_str(&format!(" WHERE {}", conditions.join(" AND ")));
+        }
+        sql.push_str(&format!(" ORDER BY {}", self.key.iter().map(|k| quote_ident(k)).collect::<Vec<_>>().join(", ")));
+        if limit {
+            sql.push_str(&format!(" LIMIT ${next}"));
+        }
+        if lock {
+            sql.push_str(" FOR SHARE");
+        }
+        sql
+    }
+
+    /// Reads the rows after key `after` (from the start when `None`) through key `through`
+    /// (to the end when `None`), in key order, at most `limit` of them; `lock` share-locks
+    /// them until the transaction `client` is in ends.
+    pub async fn read(
+        &self,
+        client: &impl GenericClient,
+        after: Option<&[Value]>,
+        through: Option<&[Value]>,
+        limit: Option<i64>,
+        lock: bool,
+    ) -> Result<Vec<Row>, MigrationError> {
+        let sql = self.statement(after.is_some(), through.is_some(), limit.is_some(), lock);
+        let mut texts: Vec<Option<String>> = Vec::new();
+        for key in [after, through].into_iter().flatten() {
+            texts.extend(key.iter().map(pg_text));
+        }
+        let mut params: Vec<&(dyn ToSql + Sync)> =
+            texts.iter().map(|t| t as &(dyn ToSql + Sync)).collect();
+        if let Some(limit) = &limit {
+            params.push(limit);
+        }
+        let rows = client
+            .query(&sql, &params)
+            .await
+            .map_err(db(format!("cannot read `{}`", self.table.shape.table)))?;
+        rows.iter()
+            .map(|r| {
+                let values = self
+                    .select
+                    .iter()
+                    .map(|&i| {
+                        let text: Option<&str> = r.get(i);
+                        match text {
+                            None => Ok(Value::Null),
+                            Some(t) => text_to_json(self.oids[i], t).map_err(|e| {
+                                MigrationError::Refused(format!(
+                                    "`{}`.`{}`: {e}",
+                                    self.table.shape.table, self.table.shape.columns[i].name
+                                ))
+                            }),
+                        }
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok(Row::from_columns(self.columns.clone(), values))
+            })
+            .collect()
+    }
+}
+
+/// Writes batches of rows into one table, matched by a set of identity columns.
+#[derive(Debug, Clone)]
+pub struct Writer {
+    table: String,
+    columns: Vec<String>,
+    identity: Vec<String>,
+    upsert: String,
+    delete: String,
+}
+
+impl Writer {
+    /// A writer of `table`, whose rows are identified by `identity` (columns with a unique
+    /// index: an upsert replaces the row with the same identity values).
+    pub fn new(table: &Table, identity: &[String]) -> Self {
+        let columns: Vec<String> = table.shape.columns.iter().map(|c| c.name.clone()).collect();
+        let cast = |alias: &str, c: &str| {
+            format!(
+                "{alias}.{}::{}",
+                quote_ident(c),
+                table.type_name(c).unwrap_or("text")
+            )
+        };
+        let arrays = |n: usize| -> String {
+            (1..=n).map(|i| format!("${i}::text[]")).collect::<Vec<_>>().join(", ")
+        };
+        let quoted: Vec<String> = columns.iter().map(|c| quote_ident(c)).collect();
+        let rest: Vec<&String> = columns.iter().filter(|c| !identity.contains(c)).collect();
+        let conflict = if rest.is_empty() {
+            "DO NOTHING".to_owned()
+        } else {
+            let set: Vec<String> = rest
+                .iter()
+                .map(|c| format!("{0} = EXCLUDED.{0}", quote_ident(c)))
+                .collect();
+            let old: Vec<String> = rest
+                .iter()
+                .map(|c| format!("{}.{}", table.quoted, quote_ident(c)))
+                .collect();
+            let new: Vec<String> = rest
+                .iter()
+                .map(|c| format!("EXCLUDED.{}", quote_ident(c)))
+                .collect();
+            // A row already equal is not rewritten: no dead tuple, no WAL, no echo.
+            format!(
+                "DO UPDATE SET {} WHERE ({}) IS DISTINCT FROM ({})",
+                set.join(", "),
+                old.join(", "),
+                new.join(", ")
+            )
+        };
+        let identity_quoted: Vec<String> = identity.iter().map(|c| quote_ident(c)).collect();
+        let upsert = format!(
+            "INSERT INTO {table} ({cols}) SELECT {casts} FROM unnest({arrays}) AS u({cols}) \
+             ON CONFLICT ({identity}) {conflict}",
+            table = table.quoted,
+            cols = quoted.join(", "),
+            casts = columns.iter().map(|c| cast("u", c)).collect::<Vec<_>>().join(", "),
+            arrays = arrays(columns.len()),
+            identity = identity_quoted.join(", "),
+        );
+        let matches: Vec<String> = identity
+            .iter()
+            .map(|c| format!("t.{} = {}", quote_ident(c), cast("u", c)))
+            .collect();
+        let delete = format!(
+            "DELETE FROM {table} AS t USING unnest({arrays}) AS u({cols}) WHERE {matches}",
+            table = table.quoted,
+            arrays = arrays(identity.len()),
+            cols = identity_quoted.join(", "),
+            matches = matches.join(" AND "),
+        );
+        Self {
+            table: table.shape.table.clone(),
+            columns,
+            identity: identity.to_vec(),
+            upsert,
+            delete,
+        }
+    }
+
+    /// The identity columns.
+    pub fn identity(&self) -> &[String] {
+        &self.identity
+    }
+
+    /// Inserts `rows`, replacing those with the same identity; no two may share an identity.
+    pub async fn upsert(
+        &self,
+        client: &impl GenericClient,
+        rows: &[&Row],
+    ) -> Result<u64, MigrationError> {
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let arrays: Vec<Vec<Option<String>>> = self
+            .columns
+            .iter()
+            .map(|c| {
+                rows.iter()
+                    .map(|r| r.get(c).and_then(pg_text))
+                    .collect()
+            })
+            .collect();
+        let params: Vec<&(dyn ToSql + Sync)> =
+            arrays.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
+        client
+            .execute(&self.upsert, &params)
+            .await
+            .map_err(db(format!("cannot write {} rows into `{}`", rows.len(), self.table)))
+    }
+
+    /// Deletes the rows whose identity columns hold the values of `keys`.
+    pub async fn delete(
+        &self,
+        client: &impl GenericClient,
+        keys: &[&Row],
+    ) -> Result<u64, MigrationError> {
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let arrays: Vec<Vec<Option<String>>> = self
+            .identity
+            .iter()
+            .map(|c| keys.iter().map(|r| r.get(c).and_then(pg_text)).collect())
+            .collect();
+        let params: Vec<&(dyn ToSql + Sync)> =
+            arrays.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
+        client
+            .execute(&self.delete, &params)
+            .await
+            .map_err(db(format!("cannot delete {} rows of `{}`", keys.len(), self.table)))
+    }
+}

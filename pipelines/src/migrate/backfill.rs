@@ -1,0 +1,107 @@
+//! `refract migrate FILE backfill`: the rows that existed before the dual write, copied in key
+//! chunks (see [`refract_connectors::migration::backfill`]), with a progress bar on a terminal
+//! and the rate and time left in the log.
+
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use refract_connectors::migration::MigrationError;
+use refract_connectors::migration::backfill::{self, BackfillPlan, BackfillProgress, Rejected};
+
+use super::{Migration, MigrateError};
+use crate::runtime::rows_bar;
+
+/// How often the rate and time left are logged.
+const LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// Runs `backfill`.
+pub async fn run(mut m: Migration, restart: bool) -> Result<ExitCode, MigrateError> {
+    // Without the slot, changes made while the rows are copied would be missed.
+    let slot = m.file.slot();
+    let exists = m
+        .client
+        .query_opt(
+            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(refract_connectors::migration::db("cannot read the replication slots"))?
+        .is_some();
+    if !exists {
+        return Err(MigrationError::Refused(format!(
+            "the dual write's slot `{slot}` does not exist: run `refract migrate {} start` first, \
+             so that no change made during the copy is missed",
+            m.path.display()
+        ))
+        .into());
+    }
+    let bar = std::io::stderr().is_terminal().then(|| rows_bar(0));
+    let rejects_path = m.state_path().join("rejected.ndjson");
+    std::fs::create_dir_all(m.state_path()).map_err(|e| {
+        MigrationError::Refused(format!("cannot create {}: {e}", m.state_path().display()))
+    })?;
+    let mut rejects = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&rejects_path)
+        .map_err(|e| {
+            MigrationError::Refused(format!("cannot open {}: {e}", rejects_path.display()))
+        })?;
+    let started = Instant::now();
+    let mut logged = Instant::now();
+    let mut first: Option<u64> = None;
+    let on_progress = |p: BackfillProgress| {
+        let first = *first.get_or_insert(p.copied);
+        if let Some(bar) = &bar {
+            bar.set_length(p.total.max(p.copied));
+            bar.set_position(p.copied);
+        }
+        if logged.elapsed() >= LOG_EVERY {
+            logged = Instant::now();
+            let rate = (p.copied - first) as f64 / started.elapsed().as_secs_f64().max(1e-3);
+            let left = p.total.saturating_sub(p.copied) as f64 / rate.max(1.0);
+            tracing::info!(
+                copied = p.copied,
+                total = p.total,
+                rejected = p.rejected,
+                rows_per_s = rate as u64,
+                eta_s = left as u64,
+                "backfill"
+            );
+        }
+    };
+    let on_reject = |r: &Rejected| {
+        tracing::warn!(key = %r.key, reason = %r.reason, "row not copied: the transform cannot convert it");
+        let line = serde_json::json!({"key": r.key, "reason": r.reason, "phase": "backfill"});
+        let _ = writeln!(rejects, "{line}");
+    };
+    let plan = BackfillPlan {
+        transform: &m.transform,
+        source: &m.source,
+        target: &m.target,
+        control: &m.control,
+        batch_rows: m.file.migration.batch_rows,
+        max_rows_per_second: m.file.migration.max_rows_per_second,
+    };
+    let done = backfill::run(&mut m.client, &plan, restart, on_progress, on_reject).await;
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    let done = done?;
+    m.record().await?;
+    println!(
+        "backfill of `{}` into `{}` done: {} rows copied, {} not convertible{} in {:.1}s",
+        m.file.migration.source,
+        m.file.migration.target,
+        done.copied,
+        done.rejected,
+        if done.rejected > 0 {
+            format!(" (listed in {})", rejects_path.display())
+        } else {
+            String::new()
+        },
+        started.elapsed().as_secs_f64()
+    );
+    Ok(ExitCode::SUCCESS)
+}

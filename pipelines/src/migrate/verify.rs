@@ -1,0 +1,16 @@
+//! `refract migrate FILE verify` (being written).
+
+use std::process::ExitCode;
+
+use refract_connectors::migration::MigrationError;
+
+use super::{Migration, MigrateError};
+
+/// Options of `verify`.
+#[derive(Debug, clap::Args)]
+pub struct VerifyArgs {}
+
+/// Runs `verify`.
+pub async fn run(_m: Migration, _args: VerifyArgs) -> Result<ExitCode, MigrateError> {
+    Err(MigrationError::Refused("verify is not written yet".into()).into())
+}
