@@ -73,9 +73,13 @@ pub async fn connect(url: &str) -> Result<tokio_postgres::Client, MigrationError
             tracing::debug!(error = %e, "migration connection ended");
         }
     });
-    // The notices of `IF EXISTS` and the like are not news to an operator.
+    // The notices of `IF EXISTS` and the like are not news to an operator; the setting lets
+    // this session write a table the write guard closes to applications (see `control`).
     client
-        .batch_execute("SET client_min_messages = warning")
+        .batch_execute(&format!(
+            "SET client_min_messages = warning; SET {} = on",
+            control::WRITER_SETTING
+        ))
         .await
         .map_err(db("cannot set up the connection"))?;
     Ok(client)

@@ -12,6 +12,19 @@ use tokio_postgres::GenericClient;
 
 use super::{MigrationError, db, quote_table};
 
+/// `text` as an SQL string literal.
+fn literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// The session setting that lets refract's own connections write a table the write guard
+/// closes to applications.
+pub const WRITER_SETTING: &str = "refract.migration_writer";
+/// The trigger (and its function) that makes the table reads moved away from read-only to
+/// applications, so that a write a late application makes there fails loudly instead of being
+/// lost (the dual write carries changes of one table only at a time).
+pub const GUARD: &str = "refract_migration_guard";
+
 /// The channel `NOTIFY` is sent on when `read_from` changes; the payload is the control row as
 /// JSON.
 pub const NOTIFY_CHANNEL: &str = "refract_migration";
@@ -151,6 +164,69 @@ impl Control {
                 self.name
             ))
         })
+    }
+
+    /// Asks for reads to move to `to` (away from `from`), and in the same transaction closes
+    /// `from` to applications' writes and opens `to`: every write committed to `from` before
+    /// the request is in the stream before it, and none can follow.
+    pub async fn request_switch(
+        &self,
+        client: &mut tokio_postgres::Client,
+        from: &str,
+        to: &str,
+        phase: Phase,
+    ) -> Result<(), MigrationError> {
+        let tx = client
+            .transaction()
+            .await
+            .map_err(db("cannot begin the switch request"))?;
+        tx.batch_execute(&format!(
+            "CREATE OR REPLACE FUNCTION {GUARD}() RETURNS trigger LANGUAGE plpgsql AS $guard$
+             BEGIN
+               IF current_setting('{WRITER_SETTING}', true) = 'on' THEN
+                 RETURN CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END;
+               END IF;
+               RAISE EXCEPTION 'table % is closed to writes by refract migrate: reads and writes go to %',
+                 TG_TABLE_NAME, TG_ARGV[0] USING ERRCODE = 'read_only_sql_transaction';
+             END $guard$;
+             DROP TRIGGER IF EXISTS {GUARD} ON {to_q};
+             DROP TRIGGER IF EXISTS {GUARD}_truncate ON {to_q};
+             DROP TRIGGER IF EXISTS {GUARD} ON {from_q};
+             DROP TRIGGER IF EXISTS {GUARD}_truncate ON {from_q};
+             CREATE TRIGGER {GUARD} BEFORE INSERT OR UPDATE OR DELETE ON {from_q}
+               FOR EACH ROW EXECUTE FUNCTION {GUARD}({to_lit});
+             CREATE TRIGGER {GUARD}_truncate BEFORE TRUNCATE ON {from_q}
+               FOR EACH STATEMENT EXECUTE FUNCTION {GUARD}({to_lit});",
+            from_q = quote_table(from),
+            to_q = quote_table(to),
+            to_lit = literal(to),
+        ))
+        .await
+        .map_err(db(format!("cannot close `{from}` to writes")))?;
+        self.update(
+            &tx,
+            "requested_read_from = $2, phase = $3",
+            &[&to, &phase.name()],
+        )
+        .await?;
+        tx.commit()
+            .await
+            .map_err(db("cannot commit the switch request"))
+    }
+
+    /// Removes the write guard from `table` (at `finalize`).
+    pub async fn open_writes(
+        &self,
+        client: &impl GenericClient,
+        table: &str,
+    ) -> Result<(), MigrationError> {
+        let q = quote_table(table);
+        client
+            .batch_execute(&format!(
+                "DROP TRIGGER IF EXISTS {GUARD} ON {q}; DROP TRIGGER IF EXISTS {GUARD}_truncate ON {q};"
+            ))
+            .await
+            .map_err(db(format!("cannot open `{table}` to writes")))
     }
 
     /// Sets `phase` (and `updated_at`).

@@ -26,7 +26,7 @@ fn text<'a>(row: &'a Value, name: &str) -> &'a str {
 
 /// Asks for reads to move to `to` and waits until the dual write has moved them.
 async fn switch(
-    m: &Migration,
+    m: &mut Migration,
     to: &str,
     asking: Phase,
     timeout: Duration,
@@ -34,11 +34,7 @@ async fn switch(
     let row = m.control.require(&m.client).await?;
     let from = text(&row, "read_from").to_owned();
     m.control
-        .update(
-            &m.client,
-            "requested_read_from = $2, phase = $3",
-            &[&to, &asking.name()],
-        )
+        .request_switch(&mut m.client, &from, to, asking)
         .await?;
     let asked = Instant::now();
     eprintln!("waiting for the dual write to apply every change committed before now, then move reads to `{to}`");
@@ -60,11 +56,7 @@ async fn switch(
                 Phase::CutOver
             };
             m.control
-                .update(
-                    &m.client,
-                    "requested_read_from = $2, phase = $3",
-                    &[&from, &back.name()],
-                )
+                .request_switch(&mut m.client, to, &from, back)
                 .await?;
             eprintln!(
                 "error: the dual write did not reach the request within {}s (is `refract migrate {} start` running?); the request is withdrawn and reads stay on `{from}`",
@@ -78,7 +70,7 @@ async fn switch(
 }
 
 /// `cutover`.
-pub async fn cutover(m: Migration, timeout: u64, force: bool) -> Result<ExitCode, MigrateError> {
+pub async fn cutover(mut m: Migration, timeout: u64, force: bool) -> Result<ExitCode, MigrateError> {
     let row = m.control.require(&m.client).await?;
     let target = m.file.migration.target.clone();
     if text(&row, "read_from") == target {
@@ -105,12 +97,12 @@ pub async fn cutover(m: Migration, timeout: u64, force: bool) -> Result<ExitCode
         None => eprintln!("warning: the tables were never verified (`refract migrate FILE verify`)"),
         _ => {}
     }
-    let done = switch(&m, &target, Phase::CuttingOver, Duration::from_secs(timeout)).await?;
+    let done = switch(&mut m, &target, Phase::CuttingOver, Duration::from_secs(timeout)).await?;
     Ok(if done { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
 /// `rollback`.
-pub async fn rollback(m: Migration, timeout: u64) -> Result<ExitCode, MigrateError> {
+pub async fn rollback(mut m: Migration, timeout: u64) -> Result<ExitCode, MigrateError> {
     let row = m.control.require(&m.client).await?;
     let source = m.file.migration.source.clone();
     if text(&row, "phase") == Phase::Finalized.name() {
@@ -123,7 +115,7 @@ pub async fn rollback(m: Migration, timeout: u64) -> Result<ExitCode, MigrateErr
         println!("reads already go to `{source}`");
         return Ok(ExitCode::SUCCESS);
     }
-    let done = switch(&m, &source, Phase::RollingBack, Duration::from_secs(timeout)).await?;
+    let done = switch(&mut m, &source, Phase::RollingBack, Duration::from_secs(timeout)).await?;
     Ok(if done { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
@@ -174,6 +166,9 @@ pub async fn finalize(m: Migration, drop_old_table: bool) -> Result<ExitCode, Mi
         .await
         .map_err(|e| MigrationError::Refused(e.to_string()))?;
     m.control.set_phase(&m.client, Phase::Finalized).await?;
+    for table in [&m.file.migration.source, &m.file.migration.target] {
+        m.control.open_writes(&m.client, table).await?;
+    }
     println!(
         "migration `{}` finalized: reads and writes stay on `{read_from}`; slot `{slot}` {}, publication `{slot}` {}",
         m.file.migration.name,
