@@ -116,10 +116,9 @@ impl<'a> Intake<'a> for TopicOp<'a> {
         match op {
             WriteOp::Change(event) => Some(TopicOp::Change(event)),
             WriteOp::Document(op) => Some(TopicOp::Document(op)),
-            WriteOp::Invalidate(_)
-            | WriteOp::Row(_)
-            | WriteOp::Tier(_)
-            | WriteOp::Migrate(_) => None,
+            WriteOp::Invalidate(_) | WriteOp::Row(_) | WriteOp::Tier(_) | WriteOp::Migrate(_) => {
+                None
+            }
         }
     }
 }

@@ -39,7 +39,13 @@ pub enum MigrationError {
 impl MigrationError {
     /// Whether trying again may succeed.
     pub fn is_transient(&self) -> bool {
-        matches!(self, MigrationError::Database { transient: true, .. })
+        matches!(
+            self,
+            MigrationError::Database {
+                transient: true,
+                ..
+            }
+        )
     }
 }
 

@@ -35,4 +35,3 @@ pub fn signals() -> watch::Receiver<bool> {
     });
     stop_rx
 }
-

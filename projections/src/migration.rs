@@ -59,14 +59,18 @@ impl MigrationProjection {
     /// The projection of `config`; a transform that does not compile makes every event fail
     /// with the reason (`refract migrate` checks it before it starts anything).
     pub fn new(config: &MigrationProjectionConfig) -> Self {
-        let transform = Transform::new(&config.migration, &config.source_shape, &config.target_shape)
-            .map_err(|problems| {
-                problems
-                    .into_iter()
-                    .map(|(path, message)| format!("`{path}` {message}"))
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            });
+        let transform = Transform::new(
+            &config.migration,
+            &config.source_shape,
+            &config.target_shape,
+        )
+        .map_err(|problems| {
+            problems
+                .into_iter()
+                .map(|(path, message)| format!("`{path}` {message}"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        });
         Self {
             transform,
             source: config.migration.migration.source.as_str().into(),
@@ -90,7 +94,8 @@ impl MigrationProjection {
         let Some(after) = &event.after else {
             return;
         };
-        let ours = after.get("name").and_then(Value::as_str) == Some(&self.config.migration.migration.name);
+        let ours = after.get("name").and_then(Value::as_str)
+            == Some(&self.config.migration.migration.name);
         let Some(requested) = after.get(REQUESTED_COLUMN).and_then(Value::as_str) else {
             return;
         };
@@ -109,7 +114,11 @@ impl MigrationProjection {
             });
             self.changed = true;
         }
-        let read_from = if want_reverse { &self.target } else { &self.source };
+        let read_from = if want_reverse {
+            &self.target
+        } else {
+            &self.source
+        };
         out.push(WriteOp::Migrate(MigrationOp {
             action: MigrationAction::Switch {
                 read_from: read_from.clone(),
@@ -125,7 +134,10 @@ impl MigrationProjection {
         reverse: bool,
         out: &mut Vec<WriteOp>,
     ) -> Result<(), ProjectionError> {
-        let transform = self.transform.as_ref().map_err(|e| ProjectionError::Invalid(e.clone()))?;
+        let transform = self
+            .transform
+            .as_ref()
+            .map_err(|e| ProjectionError::Invalid(e.clone()))?;
         let (written, from_key, key_of, row_of, identity): (
             &Arc<str>,
             &[String],
@@ -133,9 +145,21 @@ impl MigrationProjection {
             RowFn,
             &Arc<[String]>,
         ) = if reverse {
-            (&self.source, transform.identity(), Transform::reverse_key, Transform::reverse, transform.source_key())
+            (
+                &self.source,
+                transform.identity(),
+                Transform::reverse_key,
+                Transform::reverse,
+                transform.source_key(),
+            )
         } else {
-            (&self.target, transform.source_key(), Transform::forward_key, Transform::forward, transform.identity())
+            (
+                &self.target,
+                transform.source_key(),
+                Transform::forward_key,
+                Transform::forward,
+                transform.identity(),
+            )
         };
         let bad = |row: &Row, e: ConvertError| {
             ProjectionError::Invalid(format!(
@@ -158,7 +182,13 @@ impl MigrationProjection {
                 if let Some(before) = event.before.as_deref() {
                     if key_changed(before, after, from_key) {
                         let key = key_of(transform, before).map_err(|e| bad(before, e))?;
-                        push(out, MigrationAction::Delete { table: written.clone(), key });
+                        push(
+                            out,
+                            MigrationAction::Delete {
+                                table: written.clone(),
+                                key,
+                            },
+                        );
                     }
                 }
                 let row = row_of(transform, after).map_err(|e| bad(after, e))?;
@@ -177,10 +207,19 @@ impl MigrationProjection {
                     .as_deref()
                     .or(event.key.as_deref())
                     .ok_or_else(|| {
-                        ProjectionError::Invalid(format!("`{}` delete without its key", event.table))
+                        ProjectionError::Invalid(format!(
+                            "`{}` delete without its key",
+                            event.table
+                        ))
                     })?;
                 let key = key_of(transform, old).map_err(|e| bad(old, e))?;
-                push(out, MigrationAction::Delete { table: written.clone(), key });
+                push(
+                    out,
+                    MigrationAction::Delete {
+                        table: written.clone(),
+                        key,
+                    },
+                );
             }
             Op::Truncate => {
                 return Err(ProjectionError::Invalid(format!(

@@ -10,7 +10,9 @@ use std::process::{Command, Output};
 use serde_json::{Value, json};
 
 pub mod cache;
+pub mod db;
 pub mod kafka;
+pub mod migrate;
 pub mod parquet;
 pub mod registry;
 pub mod tiers;

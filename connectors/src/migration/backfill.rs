@@ -74,8 +74,15 @@ pub async fn run(
     mut rejected: impl FnMut(&Rejected),
 ) -> Result<BackfillProgress, MigrationError> {
     let row = plan.control.require(&*client).await?;
-    let text = |name: &str| row.get(name).and_then(Value::as_str).unwrap_or_default().to_owned();
-    if text("read_from") != text("source_table") || text("requested_read_from") != text("source_table") {
+    let text = |name: &str| {
+        row.get(name)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    };
+    if text("read_from") != text("source_table")
+        || text("requested_read_from") != text("source_table")
+    {
         return Err(MigrationError::Refused(format!(
             "reads go to `{}` already: the backfill runs before the cut-over (roll back first)",
             text("read_from")
@@ -101,10 +108,8 @@ pub async fn run(
         progress(state);
         return Ok(state);
     }
-    let mut after: Option<Vec<Value>> = row
-        .get("backfill_after")
-        .and_then(Value::as_array)
-        .cloned();
+    let mut after: Option<Vec<Value>> =
+        row.get("backfill_after").and_then(Value::as_array).cloned();
     plan.control
         .update(
             &*client,
@@ -122,7 +127,13 @@ pub async fn run(
             .await
             .map_err(db("cannot begin a backfill chunk"))?;
         let rows = reader
-            .read(&tx, after.as_deref(), None, Some(plan.batch_rows.into()), true)
+            .read(
+                &tx,
+                after.as_deref(),
+                None,
+                Some(plan.batch_rows.into()),
+                true,
+            )
             .await?;
         let Some(last) = rows.last() else {
             tx.rollback().await.map_err(db("cannot end the backfill"))?;
@@ -154,13 +165,16 @@ pub async fn run(
                 &[&after_json, &(converted.len() as i64), &(refused as i64)],
             )
             .await?;
-        tx.commit().await.map_err(db("cannot commit a backfill chunk"))?;
+        tx.commit()
+            .await
+            .map_err(db("cannot commit a backfill chunk"))?;
         state.copied += converted.len() as u64;
         state.rejected += refused;
         after = Some(last_key);
         progress(state);
         if let Some(rate) = plan.max_rows_per_second {
-            let due = Duration::from_secs_f64((state.copied - copied_before) as f64 / f64::from(rate));
+            let due =
+                Duration::from_secs_f64((state.copied - copied_before) as f64 / f64::from(rate));
             if let Some(wait) = due.checked_sub(started.elapsed()) {
                 tokio::time::sleep(wait).await;
             }

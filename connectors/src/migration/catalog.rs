@@ -124,11 +124,19 @@ pub async fn ensure_identity_index(
             &[&table.quoted, &columns],
         )
         .await
-        .map_err(db(format!("cannot read the indexes of `{}`", table.shape.table)))?;
+        .map_err(db(format!(
+            "cannot read the indexes of `{}`",
+            table.shape.table
+        )))?;
     if found.get::<_, bool>(0) {
         return Ok(None);
     }
-    let base = table.shape.table.rsplit('.').next().unwrap_or(&table.shape.table);
+    let base = table
+        .shape
+        .table
+        .rsplit('.')
+        .next()
+        .unwrap_or(&table.shape.table);
     let mut name = format!("{base}_refract_identity");
     name.truncate(MAX_IDENTIFIER);
     // An earlier attempt killed half-way leaves an invalid index of that name: start over.
@@ -181,7 +189,10 @@ pub async fn replica_identity_covers(
             &[&table.quoted],
         )
         .await
-        .map_err(db(format!("cannot read the replica identity of `{}`", table.shape.table)))?;
+        .map_err(db(format!(
+            "cannot read the replica identity of `{}`",
+            table.shape.table
+        )))?;
     let kind: String = row.get(0);
     let held: Vec<String> = row.get(1);
     Ok(kind == "f" || columns.iter().all(|c| held.contains(c)))

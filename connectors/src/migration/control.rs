@@ -148,7 +148,10 @@ impl Control {
     pub async fn read(&self, client: &impl GenericClient) -> Result<Option<Value>, MigrationError> {
         let row = client
             .query_opt(
-                &format!("SELECT to_jsonb(c) FROM {} AS c WHERE name = $1", self.table),
+                &format!(
+                    "SELECT to_jsonb(c) FROM {} AS c WHERE name = $1",
+                    self.table
+                ),
                 &[&self.name],
             )
             .await

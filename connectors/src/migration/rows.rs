@@ -110,7 +110,14 @@ impl Reader {
         if !conditions.is_empty() {
             sql.push_str(&format!(" WHERE {}", conditions.join(" AND ")));
         }
-        sql.push_str(&format!(" ORDER BY {}", self.key.iter().map(|k| quote_ident(k)).collect::<Vec<_>>().join(", ")));
+        sql.push_str(&format!(
+            " ORDER BY {}",
+            self.key
+                .iter()
+                .map(|k| quote_ident(k))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
         if limit {
             sql.push_str(&format!(" LIMIT ${next}"));
         }
@@ -192,7 +199,10 @@ impl Writer {
             )
         };
         let arrays = |n: usize| -> String {
-            (1..=n).map(|i| format!("${i}::text[]")).collect::<Vec<_>>().join(", ")
+            (1..=n)
+                .map(|i| format!("${i}::text[]"))
+                .collect::<Vec<_>>()
+                .join(", ")
         };
         let quoted: Vec<String> = columns.iter().map(|c| quote_ident(c)).collect();
         let rest: Vec<&String> = columns.iter().filter(|c| !identity.contains(c)).collect();
@@ -225,7 +235,11 @@ impl Writer {
              ON CONFLICT ({identity}) {conflict}",
             table = table.quoted,
             cols = quoted.join(", "),
-            casts = columns.iter().map(|c| cast("u", c)).collect::<Vec<_>>().join(", "),
+            casts = columns
+                .iter()
+                .map(|c| cast("u", c))
+                .collect::<Vec<_>>()
+                .join(", "),
             arrays = arrays(columns.len()),
             identity = identity_quoted.join(", "),
         );
@@ -266,18 +280,18 @@ impl Writer {
         let arrays: Vec<Vec<Option<String>>> = self
             .columns
             .iter()
-            .map(|c| {
-                rows.iter()
-                    .map(|r| r.get(c).and_then(pg_text))
-                    .collect()
-            })
+            .map(|c| rows.iter().map(|r| r.get(c).and_then(pg_text)).collect())
             .collect();
         let params: Vec<&(dyn ToSql + Sync)> =
             arrays.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
         client
             .execute(&self.upsert, &params)
             .await
-            .map_err(db(format!("cannot write {} rows into `{}`", rows.len(), self.table)))
+            .map_err(db(format!(
+                "cannot write {} rows into `{}`",
+                rows.len(),
+                self.table
+            )))
     }
 
     /// Deletes the rows whose identity columns hold the values of `keys`.
@@ -299,6 +313,10 @@ impl Writer {
         client
             .execute(&self.delete, &params)
             .await
-            .map_err(db(format!("cannot delete {} rows of `{}`", keys.len(), self.table)))
+            .map_err(db(format!(
+                "cannot delete {} rows of `{}`",
+                keys.len(),
+                self.table
+            )))
     }
 }

@@ -72,13 +72,21 @@ impl MigrationSink {
         }
     }
 
-    async fn writer(&mut self, table: &Arc<str>, identity: &[String]) -> Result<(), MigrationError> {
+    async fn writer(
+        &mut self,
+        table: &Arc<str>,
+        identity: &[String],
+    ) -> Result<(), MigrationError> {
         if self.writers.contains_key(table) {
             return Ok(());
         }
-        let client = self.client.as_ref().ok_or_else(|| MigrationError::Refused("not connected".into()))?;
+        let client = self
+            .client
+            .as_ref()
+            .ok_or_else(|| MigrationError::Refused("not connected".into()))?;
         let shape = read_table(client, table).await?;
-        self.writers.insert(table.clone(), Writer::new(&shape, identity));
+        self.writers
+            .insert(table.clone(), Writer::new(&shape, identity));
         Ok(())
     }
 

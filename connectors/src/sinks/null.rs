@@ -3,8 +3,8 @@
 use async_trait::async_trait;
 use refract_schemas::Checkpoint;
 use refract_schemas::write::flat::FlatOp;
-use refract_schemas::write::tiers::TierAction;
 use refract_schemas::write::migration::MigrationAction;
+use refract_schemas::write::tiers::TierAction;
 use refract_schemas::write::{DocumentOp, OpFamily, WriteOp};
 
 use crate::{Intake, Sink, SinkBatch, SinkError, WriteReport};

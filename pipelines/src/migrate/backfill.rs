@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use refract_connectors::migration::MigrationError;
 use refract_connectors::migration::backfill::{self, BackfillPlan, BackfillProgress, Rejected};
 
-use super::{Migration, MigrateError};
+use super::{MigrateError, Migration};
 use crate::runtime::rows_bar;
 
 /// How often the rate and time left are logged.
@@ -26,7 +26,9 @@ pub async fn run(mut m: Migration, restart: bool) -> Result<ExitCode, MigrateErr
             &[&slot],
         )
         .await
-        .map_err(refract_connectors::migration::db("cannot read the replication slots"))?
+        .map_err(refract_connectors::migration::db(
+            "cannot read the replication slots",
+        ))?
         .is_some();
     if !exists {
         return Err(MigrationError::Refused(format!(

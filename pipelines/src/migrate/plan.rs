@@ -8,7 +8,7 @@ use refract_connectors::migration::catalog::replica_identity_covers;
 use refract_schemas::config::{TransformKind, mask_url};
 use serde_json::Value;
 
-use super::{Migration, MigrateError, load};
+use super::{MigrateError, Migration, load};
 
 /// Runs `plan` on a migration file: exit 0 (warnings included), 2 when the file is invalid
 /// or does not fit the tables.
@@ -24,10 +24,16 @@ pub fn run(path: &Path) -> ExitCode {
     let m = &file.migration;
     println!("migration `{}`", m.name);
     println!("  database:       {}", mask_url(&m.url));
-    println!("  source:         `{}` (applications write it today)", m.source);
+    println!(
+        "  source:         `{}` (applications write it today)",
+        m.source
+    );
     println!("  target:         `{}`", m.target);
     println!("  control table:  `{}` (row `{}`)", m.control_table, m.name);
-    println!("  slot:           `{}` (and a publication of that name)", file.slot());
+    println!(
+        "  slot:           `{}` (and a publication of that name)",
+        file.slot()
+    );
     println!(
         "  backfill:       chunks of {} rows{}",
         m.batch_rows,

@@ -9,16 +9,16 @@
 use std::process::ExitCode;
 
 use refract_connectors::ReadMode;
+use refract_connectors::migration::MigrationError;
 use refract_connectors::migration::catalog::{
     ensure_identity_index, qualified_name, replica_identity_covers,
 };
-use refract_connectors::migration::MigrationError;
 use refract_schemas::config::{
     LoadedPipeline, MigrationProjectionConfig, MigrationSinkConfig, PipelineFile,
 };
 use serde_json::{Value, json};
 
-use super::{LoadedMigration, Migration, MigrateError};
+use super::{LoadedMigration, MigrateError, Migration};
 use crate::runtime::{self, RunError, RunOptions};
 
 /// The name of the projection and of the sink in the dual write's pipeline.
@@ -43,8 +43,7 @@ pub async fn prepare(m: &Migration) -> Result<(), MigrationError> {
     m.control
         .register(&m.client, &file.source, &file.target, &m.file.slot())
         .await?;
-    if let Some(index) =
-        ensure_identity_index(&m.client, &m.target, m.transform.identity()).await?
+    if let Some(index) = ensure_identity_index(&m.client, &m.target, m.transform.identity()).await?
     {
         tracing::info!(index = %index, table = %file.target, "created the identity index the dual write upserts through");
     }
@@ -108,7 +107,11 @@ pub async fn run(
     prepare(&m).await?;
     m.record().await?;
     let mut tables = Vec::new();
-    for table in [&m.file.migration.source, &m.file.migration.target, &m.file.migration.control_table] {
+    for table in [
+        &m.file.migration.source,
+        &m.file.migration.target,
+        &m.file.migration.control_table,
+    ] {
         tables.push(qualified_name(&m.client, table).await?);
     }
     let config = pipeline(&m, tables.try_into().expect("three tables"));
@@ -122,7 +125,11 @@ pub async fn run(
     let pipeline = LoadedPipeline {
         file: m.path.clone(),
         config,
-        secret_paths: loaded.secret_paths.iter().map(|p| format!("source.{}", p.trim_start_matches("migration."))).collect(),
+        secret_paths: loaded
+            .secret_paths
+            .iter()
+            .map(|p| format!("source.{}", p.trim_start_matches("migration.")))
+            .collect(),
         from_env: Default::default(),
     };
     let options = RunOptions {

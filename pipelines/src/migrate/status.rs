@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use refract_connectors::migration::db;
 use serde_json::{Value, json};
 
-use super::{Migration, MigrateError};
+use super::{MigrateError, Migration};
 use crate::checkpoint::{CheckpointError, CheckpointStore};
 
 /// Lines of a newline-delimited file (0 when it does not exist).
@@ -61,9 +61,18 @@ pub async fn run(m: Migration, as_json: bool) -> Result<ExitCode, MigrateError> 
         Some(Value::String(s)) => s.clone(),
         Some(v) => v.to_string(),
     };
-    println!("migration `{}`: `{}` -> `{}`", get("name"), get("source_table"), get("target_table"));
+    println!(
+        "migration `{}`: `{}` -> `{}`",
+        get("name"),
+        get("source_table"),
+        get("target_table")
+    );
     println!("  phase:           {}", get("phase"));
-    println!("  read_from:       {} (requested: {})", get("read_from"), get("requested_read_from"));
+    println!(
+        "  read_from:       {} (requested: {})",
+        get("read_from"),
+        get("requested_read_from")
+    );
     println!(
         "  dual write:      {}; slot `{}` {} bytes behind the server; applied up to {} at {}",
         if running { "running" } else { "not running" },
@@ -85,7 +94,11 @@ pub async fn run(m: Migration, as_json: bool) -> Result<ExitCode, MigrateError> 
         get("verify_equal"),
         get("verify_summary")
     );
-    println!("  switched:        {} at position {}", get("switched_at"), get("switch_position"));
+    println!(
+        "  switched:        {} at position {}",
+        get("switched_at"),
+        get("switch_position")
+    );
     println!(
         "  dead letters:    {dead_letters} (changes the transform could not convert, in {})",
         m.state_path().join("dead-letters.ndjson").display()

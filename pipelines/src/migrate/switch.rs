@@ -14,7 +14,7 @@ use refract_connectors::migration::control::Phase;
 use refract_connectors::sources::postgres::inspect::PgAdmin;
 use serde_json::Value;
 
-use super::{Migration, MigrateError};
+use super::{MigrateError, Migration};
 use crate::checkpoint::{CheckpointError, CheckpointStore};
 
 /// How often the control row is read while waiting for a switch.
@@ -37,7 +37,9 @@ async fn switch(
         .request_switch(&mut m.client, &from, to, asking)
         .await?;
     let asked = Instant::now();
-    eprintln!("waiting for the dual write to apply every change committed before now, then move reads to `{to}`");
+    eprintln!(
+        "waiting for the dual write to apply every change committed before now, then move reads to `{to}`"
+    );
     loop {
         let row = m.control.require(&m.client).await?;
         if text(&row, "read_from") == to {
@@ -70,7 +72,11 @@ async fn switch(
 }
 
 /// `cutover`.
-pub async fn cutover(mut m: Migration, timeout: u64, force: bool) -> Result<ExitCode, MigrateError> {
+pub async fn cutover(
+    mut m: Migration,
+    timeout: u64,
+    force: bool,
+) -> Result<ExitCode, MigrateError> {
     let row = m.control.require(&m.client).await?;
     let target = m.file.migration.target.clone();
     if text(&row, "read_from") == target {
@@ -94,11 +100,23 @@ pub async fn cutover(mut m: Migration, timeout: u64, force: bool) -> Result<Exit
             )
             .into());
         }
-        None => eprintln!("warning: the tables were never verified (`refract migrate FILE verify`)"),
+        None => {
+            eprintln!("warning: the tables were never verified (`refract migrate FILE verify`)")
+        }
         _ => {}
     }
-    let done = switch(&mut m, &target, Phase::CuttingOver, Duration::from_secs(timeout)).await?;
-    Ok(if done { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    let done = switch(
+        &mut m,
+        &target,
+        Phase::CuttingOver,
+        Duration::from_secs(timeout),
+    )
+    .await?;
+    Ok(if done {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 /// `rollback`.
@@ -115,8 +133,18 @@ pub async fn rollback(mut m: Migration, timeout: u64) -> Result<ExitCode, Migrat
         println!("reads already go to `{source}`");
         return Ok(ExitCode::SUCCESS);
     }
-    let done = switch(&mut m, &source, Phase::RollingBack, Duration::from_secs(timeout)).await?;
-    Ok(if done { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    let done = switch(
+        &mut m,
+        &source,
+        Phase::RollingBack,
+        Duration::from_secs(timeout),
+    )
+    .await?;
+    Ok(if done {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 /// `finalize`.
@@ -172,8 +200,16 @@ pub async fn finalize(m: Migration, drop_old_table: bool) -> Result<ExitCode, Mi
     println!(
         "migration `{}` finalized: reads and writes stay on `{read_from}`; slot `{slot}` {}, publication `{slot}` {}",
         m.file.migration.name,
-        if dropped_slot { "dropped" } else { "was already gone" },
-        if dropped_publication { "dropped" } else { "was already gone" },
+        if dropped_slot {
+            "dropped"
+        } else {
+            "was already gone"
+        },
+        if dropped_publication {
+            "dropped"
+        } else {
+            "was already gone"
+        },
     );
     if drop_old_table {
         m.client
@@ -182,7 +218,9 @@ pub async fn finalize(m: Migration, drop_old_table: bool) -> Result<ExitCode, Mi
                 refract_connectors::migration::quote_table(&old)
             ))
             .await
-            .map_err(refract_connectors::migration::db(format!("cannot drop `{old}`")))?;
+            .map_err(refract_connectors::migration::db(format!(
+                "cannot drop `{old}`"
+            )))?;
         println!("table `{old}` dropped");
     } else {
         println!("table `{old}` kept (drop it with --drop-old-table, or by hand)");

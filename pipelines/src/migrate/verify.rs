@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use refract_connectors::migration::MigrationError;
 
-use super::{Migration, MigrateError};
+use super::{MigrateError, Migration};
 
 /// Options of `verify`.
 #[derive(Debug, clap::Args)]

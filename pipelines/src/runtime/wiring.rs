@@ -379,7 +379,9 @@ pub(super) fn new_processor(
                 t.warm.table,
                 mask_url(&t.cold.url)
             ),
-            SinkConfig::Migration(m) => format!("{} (migration `{}`)", mask_url(&m.url), m.migration),
+            SinkConfig::Migration(m) => {
+                format!("{} (migration `{}`)", mask_url(&m.url), m.migration)
+            }
             SinkConfig::Null(_) => "discarded".to_owned(),
         };
         processor

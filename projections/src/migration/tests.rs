@@ -109,7 +109,13 @@ fn project(p: &mut MigrationProjection, line: serde_json::Value) -> Result<Vec<S
         .collect())
 }
 
-fn envelope(table: &str, op: &str, before: serde_json::Value, after: serde_json::Value, lsn: u64) -> serde_json::Value {
+fn envelope(
+    table: &str,
+    op: &str,
+    before: serde_json::Value,
+    after: serde_json::Value,
+    lsn: u64,
+) -> serde_json::Value {
     json!({"op": op, "before": before, "after": after,
            "source": {"schema": "public", "table": table, "lsn": lsn}})
 }
@@ -161,29 +167,72 @@ fn changes_go_forward_until_the_switch_and_back_after_it() {
     let insert = envelope("orders", "c", json!(null), order("ORD-1", "U7", "1.50"), 10);
     assert_eq!(
         project(&mut p, insert).unwrap(),
-        [r#"U orders_v2 {"created_at":"2024-01-02T03:04:05Z","order_id":"ORD-1","region":"EU","status":"paid","total_cents":150,"user_id":7}"#]
+        [
+            r#"U orders_v2 {"created_at":"2024-01-02T03:04:05Z","order_id":"ORD-1","region":"EU","status":"paid","total_cents":150,"user_id":7}"#
+        ]
     );
     // The echo of the dual write is ignored.
-    let echo = envelope("orders_v2", "c", json!(null), json!({"order_id": "ORD-1", "user_id": 7, "region": "EU", "status": "paid", "total_cents": 150, "created_at": "2024-01-02T03:04:05Z"}), 11);
+    let echo = envelope(
+        "orders_v2",
+        "c",
+        json!(null),
+        json!({"order_id": "ORD-1", "user_id": 7, "region": "EU", "status": "paid", "total_cents": 150, "created_at": "2024-01-02T03:04:05Z"}),
+        11,
+    );
     assert!(project(&mut p, echo.clone()).unwrap().is_empty());
     // Another migration's row, and our row without a request, change nothing.
-    let other = envelope("refract_migrations", "u", json!(null), json!({"name": "other", "requested_read_from": "orders_v2"}), 12);
+    let other = envelope(
+        "refract_migrations",
+        "u",
+        json!(null),
+        json!({"name": "other", "requested_read_from": "orders_v2"}),
+        12,
+    );
     assert!(project(&mut p, other).unwrap().is_empty());
-    let cutover = envelope("refract_migrations", "u", json!(null), json!({"name": "orders_v2", "requested_read_from": "orders_v2"}), 20);
+    let cutover = envelope(
+        "refract_migrations",
+        "u",
+        json!(null),
+        json!({"name": "orders_v2", "requested_read_from": "orders_v2"}),
+        20,
+    );
     assert_eq!(project(&mut p, cutover.clone()).unwrap(), ["S orders_v2"]);
     // Asked again: nothing more.
-    let again = envelope("refract_migrations", "u", json!(null), json!({"name": "orders_v2", "requested_read_from": "orders_v2"}), 21);
+    let again = envelope(
+        "refract_migrations",
+        "u",
+        json!(null),
+        json!({"name": "orders_v2", "requested_read_from": "orders_v2"}),
+        21,
+    );
     assert!(project(&mut p, again).unwrap().is_empty());
     // After the switch: orders is ignored, orders_v2 goes back through the reverse.
     let late = envelope("orders", "u", json!(null), order("ORD-1", "U7", "9.99"), 30);
     assert!(project(&mut p, late).unwrap().is_empty());
-    let v2_update = envelope("orders_v2", "u", json!(null), json!({"order_id": "ORD-1", "user_id": 7, "region": "US", "status": "shipped", "total_cents": 151, "created_at": "2024-01-02T03:04:05Z"}), 31);
+    let v2_update = envelope(
+        "orders_v2",
+        "u",
+        json!(null),
+        json!({"order_id": "ORD-1", "user_id": 7, "region": "US", "status": "shipped", "total_cents": 151, "created_at": "2024-01-02T03:04:05Z"}),
+        31,
+    );
     assert_eq!(
         project(&mut p, v2_update).unwrap(),
-        [r#"U orders {"created_at":"2024-01-02T03:04:05Z","order_id":"ORD-1","region":"US","status":"shipped","total_amount":"1.51","user_id":"U7"}"#]
+        [
+            r#"U orders {"created_at":"2024-01-02T03:04:05Z","order_id":"ORD-1","region":"US","status":"shipped","total_amount":"1.51","user_id":"U7"}"#
+        ]
     );
-    let v2_delete = envelope("orders_v2", "d", json!({"region": "US", "user_id": 7, "order_id": "ORD-1"}), json!(null), 32);
-    assert_eq!(project(&mut p, v2_delete).unwrap(), [r#"D orders {"order_id":"ORD-1"}"#]);
+    let v2_delete = envelope(
+        "orders_v2",
+        "d",
+        json!({"region": "US", "user_id": 7, "order_id": "ORD-1"}),
+        json!(null),
+        32,
+    );
+    assert_eq!(
+        project(&mut p, v2_delete).unwrap(),
+        [r#"D orders {"order_id":"ORD-1"}"#]
+    );
 
     // A replay after a crash (state restored, events from before the switch again) projects
     // each change in the direction of its own position.
@@ -192,16 +241,31 @@ fn changes_go_forward_until_the_switch_and_back_after_it() {
     replayed.restore_state(&state).unwrap();
     assert!(project(&mut replayed, echo).unwrap().is_empty());
     assert_eq!(project(&mut replayed, cutover).unwrap(), ["S orders_v2"]);
-    let rollback = envelope("refract_migrations", "u", json!(null), json!({"name": "orders_v2", "requested_read_from": "orders"}), 40);
+    let rollback = envelope(
+        "refract_migrations",
+        "u",
+        json!(null),
+        json!({"name": "orders_v2", "requested_read_from": "orders"}),
+        40,
+    );
     assert_eq!(project(&mut replayed, rollback).unwrap(), ["S orders"]);
     let forward_again = envelope("orders", "d", json!({"order_id": "ORD-1"}), json!(null), 41);
-    assert_eq!(project(&mut replayed, forward_again).unwrap(), [r#"D orders_v2 {"order_id":"ORD-1"}"#]);
+    assert_eq!(
+        project(&mut replayed, forward_again).unwrap(),
+        [r#"D orders_v2 {"order_id":"ORD-1"}"#]
+    );
 }
 
 #[test]
 fn a_changed_source_key_deletes_the_old_target_row() {
     let mut p = MigrationProjection::new(&config());
-    let update = envelope("orders", "u", json!({"order_id": "ORD-1"}), order("ORD-2", "U7", "1.00"), 10);
+    let update = envelope(
+        "orders",
+        "u",
+        json!({"order_id": "ORD-1"}),
+        order("ORD-2", "U7", "1.00"),
+        10,
+    );
     let out = project(&mut p, update).unwrap();
     assert_eq!(out.len(), 2);
     assert_eq!(out[0], r#"D orders_v2 {"order_id":"ORD-1"}"#);
@@ -210,17 +274,35 @@ fn a_changed_source_key_deletes_the_old_target_row() {
 #[test]
 fn an_unconvertible_change_is_reported_with_its_key_and_writes_nothing() {
     let mut p = MigrationProjection::new(&config());
-    let bad = envelope("orders", "c", json!(null), order("ORD-9", "guest", "1.00"), 10);
+    let bad = envelope(
+        "orders",
+        "c",
+        json!(null),
+        order("ORD-9", "guest", "1.00"),
+        10,
+    );
     let err = project(&mut p, bad).unwrap_err();
-    assert!(err.contains("order_id=\"ORD-9\"") && err.contains("user_id"), "{err}");
+    assert!(
+        err.contains("order_id=\"ORD-9\"") && err.contains("user_id"),
+        "{err}"
+    );
 }
 
 #[test]
 fn equal_values_written_differently_have_one_canonical_text() {
     let numeric = ColumnType::Numeric { scale: None };
-    assert_eq!(canonical(&json!("1.0"), numeric), canonical(&json!("1"), numeric));
-    assert_eq!(canonical(&json!("-0.00"), numeric), canonical(&json!(0), numeric));
-    assert_ne!(canonical(&json!("1.01"), numeric), canonical(&json!("1.1"), numeric));
+    assert_eq!(
+        canonical(&json!("1.0"), numeric),
+        canonical(&json!("1"), numeric)
+    );
+    assert_eq!(
+        canonical(&json!("-0.00"), numeric),
+        canonical(&json!(0), numeric)
+    );
+    assert_ne!(
+        canonical(&json!("1.01"), numeric),
+        canonical(&json!("1.1"), numeric)
+    );
     let ts = ColumnType::Timestamptz;
     assert_eq!(
         canonical(&json!("2024-01-01T12:00:00+02:00"), ts),
@@ -239,8 +321,14 @@ fn equal_values_written_differently_have_one_canonical_text() {
         canonical(&json!({"b": [1.0, {"y": 1, "x": 2}], "a": null}), j),
         canonical(&json!({"a": null, "b": [1, {"x": 2, "y": 1}]}), j)
     );
-    assert_ne!(canonical(&json!({"a": 1}), j), canonical(&json!({"a": "1"}), j));
-    assert_ne!(canonical(&json!(null), ColumnType::Text), canonical(&json!("\\N "), ColumnType::Text));
+    assert_ne!(
+        canonical(&json!({"a": 1}), j),
+        canonical(&json!({"a": "1"}), j)
+    );
+    assert_ne!(
+        canonical(&json!(null), ColumnType::Text),
+        canonical(&json!("\\N "), ColumnType::Text)
+    );
 }
 
 #[test]
@@ -253,7 +341,11 @@ fn decimals_shift_exactly() {
         ("5", -3, "0.005"),
         ("0.00", 2, "0"),
     ] {
-        assert_eq!(shift_decimal(text, digits).unwrap(), want, "{text} {digits}");
+        assert_eq!(
+            shift_decimal(text, digits).unwrap(),
+            want,
+            "{text} {digits}"
+        );
     }
     assert!(shift_decimal("1e5", 2).is_err());
 }

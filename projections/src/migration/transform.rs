@@ -90,8 +90,10 @@ impl Transform {
                 ));
                 continue;
             };
-            let (source_type, target_type) =
-                (ColumnType::from_pg(&s.type_name), ColumnType::from_pg(&t.type_name));
+            let (source_type, target_type) = (
+                ColumnType::from_pg(&s.type_name),
+                ColumnType::from_pg(&t.type_name),
+            );
             let rule = match spec.transform {
                 TransformKind::Copy => {
                     if std::mem::discriminant(&source_type) != std::mem::discriminant(&target_type)
@@ -128,9 +130,13 @@ impl Transform {
                     }
                 }
                 TransformKind::Scale => {
-                    if matches!(source_type, ColumnType::Integer { .. } | ColumnType::Numeric { .. })
-                        && matches!(target_type, ColumnType::Integer { .. } | ColumnType::Numeric { .. })
-                    {
+                    if matches!(
+                        source_type,
+                        ColumnType::Integer { .. } | ColumnType::Numeric { .. }
+                    ) && matches!(
+                        target_type,
+                        ColumnType::Integer { .. } | ColumnType::Numeric { .. }
+                    ) {
                         Rule::Scale {
                             digits: spec.scale_digits().unwrap_or(0) as i32,
                         }
@@ -275,10 +281,13 @@ impl Transform {
         for (source, target) in self.source_key.iter().zip(self.identity.iter()) {
             let m = self.map_of_target(target);
             let value = key.get(source).unwrap_or(&Value::Null);
-            out.insert(target.clone(), m.forward(value).map_err(|reason| ConvertError {
-                column: source.clone(),
-                reason,
-            })?);
+            out.insert(
+                target.clone(),
+                m.forward(value).map_err(|reason| ConvertError {
+                    column: source.clone(),
+                    reason,
+                })?,
+            );
         }
         Ok(out)
     }
@@ -289,10 +298,13 @@ impl Transform {
         for (source, target) in self.source_key.iter().zip(self.identity.iter()) {
             let m = self.map_of_target(target);
             let value = key.get(target).unwrap_or(&Value::Null);
-            out.insert(source.clone(), m.reverse(value).map_err(|reason| ConvertError {
-                column: target.clone(),
-                reason,
-            })?);
+            out.insert(
+                source.clone(),
+                m.reverse(value).map_err(|reason| ConvertError {
+                    column: target.clone(),
+                    reason,
+                })?,
+            );
         }
         Ok(out)
     }

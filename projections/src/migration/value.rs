@@ -131,8 +131,9 @@ pub fn cast(value: &Value, from: ColumnType, to: ColumnType) -> Result<Value, St
             other => Err(format!("{other} is not a timestamp")),
         },
         ColumnType::Json => match value {
-            Value::String(s) if from == ColumnType::Text => serde_json::from_str(s)
-                .map_err(|e| format!("`{s}` is not JSON: {e}")),
+            Value::String(s) if from == ColumnType::Text => {
+                serde_json::from_str(s).map_err(|e| format!("`{s}` is not JSON: {e}"))
+            }
             other => Ok(other.clone()),
         },
     }
@@ -297,4 +298,3 @@ fn canonical_json(value: &Value, out: &mut String) {
         other => out.push_str(&other.to_string()),
     }
 }
-

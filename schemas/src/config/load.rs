@@ -194,8 +194,7 @@ pub fn parse_file<T: DeserializeOwned>(
     }
 
     let snapshot = root.get_ref().clone();
-    let mut config: T = match serde_path_to_error::deserialize(toml::de::Deserializer::from(root))
-    {
+    let mut config: T = match serde_path_to_error::deserialize(toml::de::Deserializer::from(root)) {
         Ok(c) => c,
         Err(e) => {
             let path = e.path().to_string();
