@@ -400,3 +400,40 @@ fn the_daemon_runs_without_transparent_huge_pages() {
     assert_eq!(line.split_whitespace().nth(1), Some("0"), "{line}");
     daemon.terminate();
 }
+
+#[test]
+fn a_migration_file_is_validated_with_lines_and_field_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("m.toml");
+    std::fs::write(
+        &file,
+        r#"[migration]
+name = "orders_v2"
+url = "postgres://127.0.0.1/db"
+source = "orders"
+target = "orders_v2"
+
+[columns.region]
+pattern = '^x$'
+
+[columns.total_cents]
+from = "total_amount"
+transform = "scale"
+factor = 150
+"#,
+    )
+    .unwrap();
+    let out = output(refract().arg("validate").arg(&file));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(":8:")
+            && stderr.contains("`columns.region.pattern`: is not used by transform `copy`"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(":13:")
+            && stderr.contains("`columns.total_cents.factor`: must be a power of ten"),
+        "{stderr}"
+    );
+}

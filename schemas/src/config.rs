@@ -297,7 +297,9 @@ pub enum ProjectionConfig {
     Relay(RelayProjectionConfig),
     /// Heartbeats routed by age into hot, warm and cold tiers (a `tiers` sink).
     Tiers(TiersProjectionConfig),
-    /// The dual write of a shadow-write migration (written by `refract migrate start`).
+    /// The dual write of a shadow-write migration: internal, `refract migrate start` writes it
+    /// (not in the JSON Schema of pipeline files).
+    #[schemars(skip)]
     Migration(MigrationProjectionConfig),
 }
 
@@ -716,7 +718,9 @@ pub enum SinkConfig {
     Kafka(KafkaSinkConfig),
     /// Hot (Redis), warm (PostgreSQL hourly partitions) and cold (Parquet) tiers of heartbeats.
     Tiers(TiersSinkConfig),
-    /// The two tables of a shadow-write migration (written by `refract migrate start`).
+    /// The two tables of a shadow-write migration: internal, `refract migrate start` writes it
+    /// (not in the JSON Schema of pipeline files).
+    #[schemars(skip)]
     Migration(MigrationSinkConfig),
     /// Discards everything (benchmarks, dry runs).
     Null(NullSinkConfig),

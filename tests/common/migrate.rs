@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use super::db::TestDb;
 use super::{Rng, Running, pg, refract};
 
-/// The showcase tables (read from ../shared when it is there, else this copy).
-const SHOWCASE: &str = include_str!("../../../shared/showcase/orders_migration.sql");
+/// The showcase tables, as shipped beside the migration file.
+const SHOWCASE: &str = include_str!("../../pipelines/orders-v2.sql");
 
 /// The shipped migration file.
 pub fn shipped_file() -> PathBuf {
