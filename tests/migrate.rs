@@ -9,8 +9,9 @@
 //! - the cut-over is SIGKILLed while it waits and the dual write (stopped) is restarted; the
 //!   application moves to `orders_v2` and keeps writing; the reverse replication is SIGKILLed
 //!   and restarted; `orders` then holds every write (SQL comparison);
-//! - the rollback moves the application back; the dual write runs forward again; the end state
-//!   verifies and compares equal in SQL.
+//! - the rollback, SIGKILLed while it waits, moves the application back; the dual write runs
+//!   forward again; the end state verifies and compares equal in SQL;
+//! - `finalize` refuses while the dual write runs, then drops the slot.
 //!
 //! 1,000,000 orders by default, 100,000 in CI (`CI=true`), or `REFRACT_MIGRATE_ROWS`.
 
@@ -149,10 +150,25 @@ fn a_migration_under_a_live_writer_survives_kills_in_every_phase() {
         "orders does not hold every write made to orders_v2 ({refused} writes refused during the switch)"
     );
 
-    // Rollback while the application writes; it moves back to orders.
+    // Rollback while the application writes, killed while it waits (the dual write is stopped
+    // meanwhile); the application moves back to orders.
     let writer = Writer::start(&m.db.url(), n, WRITES_PER_SECOND, 3);
+    kill9(&mut daemon);
+    let mut rollback = Running::spawn(
+        m.command("rollback", &["--timeout", "600"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    m.wait_for("the rollback request", || {
+        m.control("requested_read_from").as_deref() == Some("orders")
+    });
+    kill9(&mut rollback);
+    let mut daemon = m.start();
+    m.wait_for("the switch back", || {
+        m.control("read_from").as_deref() == Some("orders")
+    });
     let out = m.run("rollback", &[]);
-    assert!(out.status.success(), "rollback: {}", stdout(&out));
+    assert!(out.status.success(), "rollback again: {}", stdout(&out));
     let before = writer.committed.load(std::sync::atomic::Ordering::Relaxed);
     m.wait_for("writes after the rollback", || {
         writer.committed.load(std::sync::atomic::Ordering::Relaxed) > before + 300

@@ -83,6 +83,7 @@ pub fn pipeline(m: &Migration, tables: [String; 3]) -> PipelineFile {
         "pipeline": {
             "name": m.pipeline_name(),
             "state_dir": file.state_dir,
+            "metrics_addr": file.metrics_addr,
         },
         "source": {
             "kind": "postgres",

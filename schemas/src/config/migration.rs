@@ -60,6 +60,10 @@ pub struct MigrationSection {
     /// Throttle of the backfill in rows per second; none when unset.
     #[serde(default)]
     pub max_rows_per_second: Option<u32>,
+    /// Serve the dual write's Prometheus metrics and `/health` at this address
+    /// (`127.0.0.1:9464`) while `start` runs; none when unset.
+    #[serde(default)]
+    pub metrics_addr: Option<String>,
 }
 
 fn default_state_dir() -> String {
