@@ -129,45 +129,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
     match cli.command {
-        Command::Validate { pipelines } => {
-            let mut failed = false;
-            for path in pipelines {
-                if refract::migrate::is_migration_file(&path) {
-                    match refract::migrate::load(&path) {
-                        Ok(m) => println!(
-                            "{}: ok (migration `{}`: {} column(s) of `{}` from `{}`)",
-                            path.display(),
-                            m.config.migration.name,
-                            m.config.columns.len(),
-                            m.config.migration.target,
-                            m.config.migration.source
-                        ),
-                        Err(errors) => {
-                            eprintln!("{errors}");
-                            failed = true;
-                        }
-                    }
-                    continue;
-                }
-                match refract::families::load(&path) {
-                    Ok(loaded) => println!(
-                        "{}: ok ({} projection(s), {} sink(s))",
-                        path.display(),
-                        loaded.config.projections.len(),
-                        loaded.config.sinks.len()
-                    ),
-                    Err(errors) => {
-                        eprintln!("{errors}");
-                        failed = true;
-                    }
-                }
-            }
-            if failed {
-                ExitCode::from(2)
-            } else {
-                ExitCode::SUCCESS
-            }
-        }
+        Command::Validate { pipelines } => validate(&pipelines),
         Command::Tiers { pipeline, command } => with_pipeline(&pipeline, |loaded, rt| {
             refract::tiers::run(&loaded, rt, command)
         }),
@@ -273,6 +235,47 @@ fn main() -> ExitCode {
             };
             rt.block_on(run(loaded, mode, summary_json))
         }),
+    }
+}
+
+/// `refract validate`: pipeline and migration files; exit 2 when any is invalid.
+fn validate(paths: &[PathBuf]) -> ExitCode {
+    let mut failed = false;
+    for path in paths {
+        if refract::migrate::is_migration_file(path) {
+            match refract::migrate::load(path) {
+                Ok(m) => println!(
+                    "{}: ok (migration `{}`: {} column(s) of `{}` from `{}`)",
+                    path.display(),
+                    m.config.migration.name,
+                    m.config.columns.len(),
+                    m.config.migration.target,
+                    m.config.migration.source
+                ),
+                Err(errors) => {
+                    eprintln!("{errors}");
+                    failed = true;
+                }
+            }
+            continue;
+        }
+        match refract::families::load(path) {
+            Ok(loaded) => println!(
+                "{}: ok ({} projection(s), {} sink(s))",
+                path.display(),
+                loaded.config.projections.len(),
+                loaded.config.sinks.len()
+            ),
+            Err(errors) => {
+                eprintln!("{errors}");
+                failed = true;
+            }
+        }
+    }
+    if failed {
+        ExitCode::from(2)
+    } else {
+        ExitCode::SUCCESS
     }
 }
 

@@ -179,17 +179,17 @@ impl MigrationProjection {
                 let after = event.after.as_deref().ok_or_else(|| {
                     ProjectionError::Invalid(format!("`{}` change without a new row", event.table))
                 })?;
-                if let Some(before) = event.before.as_deref() {
-                    if key_changed(before, after, from_key) {
-                        let key = key_of(transform, before).map_err(|e| bad(before, e))?;
-                        push(
-                            out,
-                            MigrationAction::Delete {
-                                table: written.clone(),
-                                key,
-                            },
-                        );
-                    }
+                if let Some(before) = event.before.as_deref()
+                    && key_changed(before, after, from_key)
+                {
+                    let key = key_of(transform, before).map_err(|e| bad(before, e))?;
+                    push(
+                        out,
+                        MigrationAction::Delete {
+                            table: written.clone(),
+                            key,
+                        },
+                    );
                 }
                 let row = row_of(transform, after).map_err(|e| bad(after, e))?;
                 push(

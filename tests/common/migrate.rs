@@ -71,8 +71,7 @@ impl Migration {
 
     /// Runs a phase to its end.
     pub fn run(&self, phase: &str, args: &[&str]) -> Output {
-        let out = self.command(phase, args).output().expect("refract runs");
-        out
+        self.command(phase, args).output().expect("refract runs")
     }
 
     /// Starts the dual write in the background.

@@ -214,13 +214,13 @@ impl MigrationFile {
             problems.extend(allowed("pattern", spec.pattern.is_some(), extract));
             problems.extend(allowed("reverse", spec.reverse.is_some(), extract));
             problems.extend(allowed("factor", spec.factor.is_some(), scale));
-            if let Some(reverse) = &spec.reverse {
-                if reverse.matches("{}").count() != 1 {
-                    problems.push((
-                        path("reverse"),
-                        "must hold `{}` exactly once (where the target value goes)".into(),
-                    ));
-                }
+            if let Some(reverse) = &spec.reverse
+                && reverse.matches("{}").count() != 1
+            {
+                problems.push((
+                    path("reverse"),
+                    "must hold `{}` exactly once (where the target value goes)".into(),
+                ));
             }
             if scale
                 && spec.factor.is_some()
