@@ -36,6 +36,10 @@ pub struct Migration {
     pub db: TestDb,
     pub state: tempfile::TempDir,
     pub slot: String,
+    /// The migration file.
+    pub file: PathBuf,
+    /// The migration's name (its control row).
+    pub name: String,
 }
 
 impl Migration {
@@ -53,6 +57,26 @@ impl Migration {
             db,
             state: tempfile::tempdir().unwrap(),
             slot,
+            file: shipped_file(),
+            name: "orders_v2".into(),
+        }
+    }
+
+    /// A database `name` made by `schema`, and migration file `toml` (whose `[migration]`
+    /// table takes `url`, `slot` and `state_dir` from the environment as the shipped one does)
+    /// for migration `migration`.
+    pub fn with_file(name: &str, schema: &str, migration: &str, toml: &str) -> Self {
+        let slot = format!("refract_{name}");
+        let db = TestDb::create(name, &[&slot], schema);
+        let state = tempfile::tempdir().unwrap();
+        let file = state.path().join("migration.toml");
+        std::fs::write(&file, toml).unwrap();
+        Self {
+            db,
+            state,
+            slot,
+            file,
+            name: migration.into(),
         }
     }
 
@@ -60,7 +84,7 @@ impl Migration {
     pub fn command(&self, phase: &str, args: &[&str]) -> Command {
         let mut cmd = refract();
         cmd.args(["migrate"])
-            .arg(shipped_file())
+            .arg(&self.file)
             .arg(phase)
             .args(args)
             .env("PG_URL", self.db.url())
@@ -82,6 +106,13 @@ impl Migration {
                 .stderr(Stdio::inherit()),
         );
         self.wait_for("the control row", || self.control("phase").is_some());
+        self.wait_for("the slot's consistent point", || {
+            self.db.psql(&format!(
+                "SELECT count(*) FROM pg_replication_slots \
+                 WHERE slot_name = '{}' AND confirmed_flush_lsn IS NOT NULL",
+                self.slot
+            )) == "1"
+        });
         running
     }
 
@@ -89,7 +120,10 @@ impl Migration {
     pub fn control(&self, column: &str) -> Option<String> {
         super::db::psql_at(
             &self.db.url(),
-            &format!("SELECT {column}::text FROM refract_migrations WHERE name = 'orders_v2'"),
+            &format!(
+                "SELECT {column}::text FROM refract_migrations WHERE name = '{}'",
+                self.name
+            ),
         )
         .ok()
         .filter(|s| !s.is_empty())
@@ -121,6 +155,17 @@ impl Migration {
             self.db.psql(&format!(
                 "SELECT count(*) FROM {other} WHERE order_id = '{id}'"
             )) == "1"
+        });
+    }
+
+    /// Runs `insert` and waits until the dual write has carried its row into `other` (found by
+    /// `condition`): then every change committed before it has been applied too.
+    pub fn catch_up_with(&self, insert: &str, other: &str, condition: &str) {
+        self.db.psql(insert);
+        self.wait_for(&format!("{condition} in {other}"), || {
+            self.db
+                .psql(&format!("SELECT count(*) FROM {other} WHERE {condition}"))
+                == "1"
         });
     }
 

@@ -191,7 +191,7 @@ pub async fn run(
 }
 
 /// The planner's estimate of the rows of `table` (exact count when it has none yet).
-async fn estimate(client: &Client, table: &Table) -> Result<u64, MigrationError> {
+pub(super) async fn estimate(client: &Client, table: &Table) -> Result<u64, MigrationError> {
     let row = client
         .query_one(
             "SELECT reltuples::bigint FROM pg_class WHERE oid = to_regclass($1)",

@@ -24,6 +24,23 @@ pub fn pg_text(value: &Value) -> Option<String> {
     }
 }
 
+/// `expr`, a column of type `type_name`, in a form `IS DISTINCT FROM` can compare: `json`,
+/// `xml` and the geometric types have no equality operator, so they are compared as `jsonb`
+/// or as text.
+fn comparable(expr: &str, type_name: &str) -> String {
+    const WITHOUT_EQUALITY: [&str; 8] = [
+        "xml", "point", "line", "lseg", "box", "path", "polygon", "circle",
+    ];
+    let base = type_name.trim_end_matches("[]");
+    if type_name == "json" {
+        format!("{expr}::jsonb")
+    } else if base == "json" || WITHOUT_EQUALITY.contains(&base) {
+        format!("{expr}::text")
+    } else {
+        expr.to_owned()
+    }
+}
+
 /// Reads rows of a table in the order of a set of key columns, a range at a time.
 #[derive(Debug, Clone)]
 pub struct Reader {
@@ -68,17 +85,26 @@ impl Reader {
             .collect()
     }
 
-    /// The statement reading the rows whose key is after `$after` (when `after`), at most
-    /// `$through` (when `through`), in key order, at most `limit` (when given), share-locked
-    /// when `lock`.
-    fn statement(&self, after: bool, through: bool, limit: bool, lock: bool) -> String {
+    /// Every column as text, `qualifier` before each (`t.`). Aliased: an output column named
+    /// like a key column would be what ORDER BY sorts by, and integers sorted as text would
+    /// put `10` before `9`.
+    fn select_list(&self, qualifier: &str) -> String {
         let list: Vec<String> = self
             .table
             .shape
             .columns
             .iter()
-            .map(|c| format!("{}::text", quote_ident(&c.name)))
+            .enumerate()
+            .map(|(i, c)| format!("{qualifier}{}::text AS c{i}", quote_ident(&c.name)))
             .collect();
+        list.join(", ")
+    }
+
+    /// The statement reading the rows whose key is after `$after` (when `after`), at most
+    /// `$through` (when `through`), in key order, at most `limit` (when given), share-locked
+    /// when `lock`.
+    fn statement(&self, after: bool, through: bool, limit: bool, lock: bool) -> String {
+        let list = self.select_list("");
         let key: Vec<String> = self.key.iter().map(|k| quote_ident(k)).collect();
         let key = format!("({})", key.join(", "));
         let params = |first: usize| -> String {
@@ -96,7 +122,7 @@ impl Reader {
                 .collect();
             format!("({})", p.join(", "))
         };
-        let mut sql = format!("SELECT {} FROM {}", list.join(", "), self.table.quoted);
+        let mut sql = format!("SELECT {list} FROM {}", self.table.quoted);
         let mut conditions = Vec::new();
         let mut next = 1;
         if after {
@@ -127,6 +153,58 @@ impl Reader {
         sql
     }
 
+    /// Reads the rows whose key is one of `keys` (each the values of the key columns), in
+    /// key order.
+    pub async fn read_keys(
+        &self,
+        client: &impl GenericClient,
+        keys: &[Vec<Value>],
+    ) -> Result<Vec<Row>, MigrationError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let list = self.select_list("t.");
+        let names: Vec<String> = (0..self.key.len()).map(|i| format!("k{i}")).collect();
+        let matches: Vec<String> = self
+            .key
+            .iter()
+            .enumerate()
+            .map(|(i, k)| {
+                format!(
+                    "t.{} = u.k{i}::{}",
+                    quote_ident(k),
+                    self.table.type_name(k).unwrap_or("text")
+                )
+            })
+            .collect();
+        let arrays: Vec<String> = (1..=self.key.len())
+            .map(|i| format!("${i}::text[]"))
+            .collect();
+        let order: Vec<String> = self
+            .key
+            .iter()
+            .map(|k| format!("t.{}", quote_ident(k)))
+            .collect();
+        let sql = format!(
+            "SELECT {list} FROM {} AS t JOIN unnest({}) AS u({}) ON {} ORDER BY {}",
+            self.table.quoted,
+            arrays.join(", "),
+            names.join(", "),
+            matches.join(" AND "),
+            order.join(", ")
+        );
+        let columns: Vec<Vec<Option<String>>> = (0..self.key.len())
+            .map(|i| keys.iter().map(|k| k.get(i).and_then(pg_text)).collect())
+            .collect();
+        let params: Vec<&(dyn ToSql + Sync)> =
+            columns.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
+        let rows = client
+            .query(&sql, &params)
+            .await
+            .map_err(db(format!("cannot read `{}`", self.table.shape.table)))?;
+        self.decode(&rows)
+    }
+
     /// Reads the rows after key `after` (from the start when `None`) through key `through`
     /// (to the end when `None`), in key order, at most `limit` of them; `lock` share-locks
     /// them until the transaction `client` is in ends.
@@ -152,6 +230,11 @@ impl Reader {
             .query(&sql, &params)
             .await
             .map_err(db(format!("cannot read `{}`", self.table.shape.table)))?;
+        self.decode(&rows)
+    }
+
+    /// Rows as the select list of [`Reader::statement`] returns them, as JSON values.
+    fn decode(&self, rows: &[tokio_postgres::Row]) -> Result<Vec<Row>, MigrationError> {
         rows.iter()
             .map(|r| {
                 let values = self
@@ -213,14 +296,14 @@ impl Writer {
                 .iter()
                 .map(|c| format!("{0} = EXCLUDED.{0}", quote_ident(c)))
                 .collect();
-            let old: Vec<String> = rest
-                .iter()
-                .map(|c| format!("{}.{}", table.quoted, quote_ident(c)))
-                .collect();
-            let new: Vec<String> = rest
-                .iter()
-                .map(|c| format!("EXCLUDED.{}", quote_ident(c)))
-                .collect();
+            let compared = |qualifier: &str, c: &str| {
+                comparable(
+                    &format!("{qualifier}.{}", quote_ident(c)),
+                    table.type_name(c).unwrap_or("text"),
+                )
+            };
+            let old: Vec<String> = rest.iter().map(|c| compared(&table.quoted, c)).collect();
+            let new: Vec<String> = rest.iter().map(|c| compared("EXCLUDED", c)).collect();
             // A row already equal is not rewritten: no dead tuple, no WAL, no echo.
             format!(
                 "DO UPDATE SET {} WHERE ({}) IS DISTINCT FROM ({})",

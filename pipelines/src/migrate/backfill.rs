@@ -15,29 +15,63 @@ use crate::runtime::rows_bar;
 /// How often the rate and time left are logged.
 const LOG_EVERY: Duration = Duration::from_secs(10);
 
+/// How long the backfill waits for the dual write's slot to be created (the daemon was just
+/// started); a slot waits for the transactions running at its creation to end.
+const SLOT_READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often the slot is looked at while waiting for it.
+const SLOT_POLL: Duration = Duration::from_millis(200);
+
+/// Waits until the dual write's slot exists and has its consistent point (a slot still being
+/// created has no `confirmed_flush_lsn`): a change committed after that point is in the
+/// stream, one before it is in the table the backfill reads. Copying before it would miss the
+/// changes committed in between.
+async fn wait_for_slot(m: &Migration) -> Result<(), MigrationError> {
+    let slot = m.file.slot();
+    let deadline = Instant::now() + SLOT_READY_TIMEOUT;
+    let mut told = false;
+    loop {
+        let ready = m
+            .client
+            .query_opt(
+                "SELECT confirmed_flush_lsn IS NOT NULL FROM pg_replication_slots \
+                 WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .map_err(refract_connectors::migration::db(
+                "cannot read the replication slots",
+            ))?
+            .map(|r| r.get::<_, bool>(0));
+        if ready == Some(true) {
+            return Ok(());
+        }
+        if !told {
+            told = true;
+            eprintln!(
+                "waiting for the dual write's slot `{slot}` (is `refract migrate FILE start` running?)"
+            );
+        }
+        if Instant::now() >= deadline {
+            return Err(MigrationError::Refused(match ready {
+                None => format!(
+                    "the dual write's slot `{slot}` does not exist: run `refract migrate {} start` \
+                     first, so that no change made during the copy is missed",
+                    m.path.display()
+                ),
+                Some(_) => format!(
+                    "the dual write's slot `{slot}` is still being created after {}s (a long \
+                     transaction holds it up): try again once it is ready",
+                    SLOT_READY_TIMEOUT.as_secs()
+                ),
+            }));
+        }
+        tokio::time::sleep(SLOT_POLL).await;
+    }
+}
+
 /// Runs `backfill`.
 pub async fn run(mut m: Migration, restart: bool) -> Result<ExitCode, MigrateError> {
-    // Without the slot, changes made while the rows are copied would be missed.
-    let slot = m.file.slot();
-    let exists = m
-        .client
-        .query_opt(
-            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .map_err(refract_connectors::migration::db(
-            "cannot read the replication slots",
-        ))?
-        .is_some();
-    if !exists {
-        return Err(MigrationError::Refused(format!(
-            "the dual write's slot `{slot}` does not exist: run `refract migrate {} start` first, \
-             so that no change made during the copy is missed",
-            m.path.display()
-        ))
-        .into());
-    }
+    wait_for_slot(&m).await?;
     let bar = std::io::stderr().is_terminal().then(|| rows_bar(0));
     let rejects_path = m.state_path().join("rejected.ndjson");
     std::fs::create_dir_all(m.state_path()).map_err(|e| {

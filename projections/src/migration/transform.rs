@@ -217,6 +217,21 @@ impl Transform {
         &self.identity
     }
 
+    /// The first key column whose map does not keep the order of keys (a cast to another
+    /// kind of type, such as text to a number: `'10' < '9'` but `10 > 9`), as (source column,
+    /// target column); `None` when reading both tables in key order meets the rows in the same
+    /// order, which `verify`'s chunks rely on.
+    pub fn key_order_changes(&self) -> Option<(&str, &str)> {
+        self.source_key
+            .iter()
+            .zip(self.identity.iter())
+            .map(|(_, target)| self.map_of_target(target))
+            .find(|m| {
+                std::mem::discriminant(&m.source_type) != std::mem::discriminant(&m.target_type)
+            })
+            .map(|m| (m.source.as_str(), m.target.as_str()))
+    }
+
     /// The type of target column `name`.
     pub fn target_type(&self, name: &str) -> Option<ColumnType> {
         self.by_target

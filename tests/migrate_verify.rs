@@ -1,0 +1,208 @@
+//! `refract migrate FILE verify` against real PostgreSQL:
+//! - a corruption seeded by hand in `orders_v2` (a changed value, a deleted row, an extra row):
+//!   exit 1, and the report names all three; a value the transform cannot convert is reported
+//!   with its key, and stops neither the dual write nor the rest of the report;
+//! - equal values written differently (`1.0` and `1.00`, one instant in two time zones, JSON
+//!   with its keys in another order) are not differences, integer keys are chunked in numeric
+//!   order, and a real difference among them is found with its column and both values.
+
+mod common;
+
+use common::migrate::Migration;
+use serde_json::Value;
+
+fn text(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Runs `verify --json` (with a short settle: nothing writes), returns its exit success and
+/// the report.
+fn verify(m: &Migration, extra: &[&str]) -> (bool, Value) {
+    let mut args = vec!["--json", "--settle", "3"];
+    args.extend_from_slice(extra);
+    let out = m.run("verify", &args);
+    let report: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("verify printed no JSON report ({e}): {}", text(&out)));
+    (out.status.success(), report)
+}
+
+/// The differences of a report of `kind`, by key.
+fn keys_of(report: &Value, kind: &str) -> Vec<String> {
+    report["differences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|d| d["kind"] == kind)
+        .map(|d| d["key"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[test]
+fn seeded_corruption_is_named_row_by_row_and_an_unconvertible_value_stops_nothing() {
+    let m = Migration::create("refract_mig_verify", 5_000);
+    let mut daemon = m.start();
+    let out = m.run("backfill", &[]);
+    assert!(out.status.success(), "backfill: {}", text(&out));
+    let (equal, report) = verify(&m, &[]);
+    assert!(equal, "verify after the backfill: {report:#}");
+    assert_eq!(report["leading_rows"], 5_000);
+
+    // A value the transform cannot convert, then a good row after it: the dual write goes on.
+    m.db.psql("INSERT INTO orders VALUES ('ORD-BAD', 'X99', 'EU', 'paid', 1.00, now())");
+    m.catch_up("orders", "orders_v2", "after-bad");
+    let dead =
+        std::fs::read_to_string(m.state.path().join("migrate-orders_v2/dead-letters.ndjson"))
+            .unwrap_or_default();
+    assert!(
+        dead.contains("ORD-BAD"),
+        "the dual write did not report the row: {dead}"
+    );
+
+    // Corruption by hand: a changed value, a deleted row, an extra row.
+    m.db.psql(
+        "UPDATE orders_v2 SET status = 'lost' WHERE order_id = 'ORD-0000100'; \
+         DELETE FROM orders_v2 WHERE order_id = 'ORD-0000200'; \
+         INSERT INTO orders_v2 VALUES ('EU', 7, 'ORD-9999999', 'paid', 100, now());",
+    );
+    let (equal, report) = verify(&m, &[]);
+    assert!(!equal, "verify missed the corruption: {report:#}");
+    assert_eq!(
+        keys_of(&report, "missing"),
+        [r#"(order_id="ORD-0000200")"#],
+        "{report:#}"
+    );
+    assert_eq!(
+        keys_of(&report, "extra"),
+        [r#"(order_id="ORD-9999999")"#],
+        "{report:#}"
+    );
+    assert_eq!(
+        keys_of(&report, "differs"),
+        [r#"(order_id="ORD-0000100")"#],
+        "{report:#}"
+    );
+    assert_eq!(
+        keys_of(&report, "unconvertible"),
+        [r#"(order_id="ORD-BAD")"#],
+        "{report:#}"
+    );
+    let differs = report["differences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["kind"] == "differs")
+        .unwrap();
+    assert_eq!(differs["columns"][0]["column"], "status");
+    assert_eq!(differs["columns"][0]["found"], "lost");
+    assert_eq!(differs["columns"][0]["expected"], "paid");
+    assert_eq!(report["counts"]["missing"], 1);
+    assert_eq!(report["counts"]["extra"], 1);
+    assert_eq!(report["counts"]["differing"], 1);
+    assert_eq!(report["counts"]["unconvertible"], 1);
+    assert_eq!(m.control("verify_equal").as_deref(), Some("false"));
+
+    // The text report names them too, and the cut-over refuses.
+    let out = m.run("verify", &["--settle", "3"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let printed = text(&out);
+    for key in ["ORD-0000100", "ORD-0000200", "ORD-9999999", "ORD-BAD"] {
+        assert!(printed.contains(key), "{key} not in the report: {printed}");
+    }
+    let out = m.run("cutover", &[]);
+    assert!(
+        !out.status.success(),
+        "cut over after a failed verify: {}",
+        text(&out)
+    );
+    assert!(text(&out).contains("differences"), "{}", text(&out));
+
+    // Repaired by hand, the tables verify again.
+    m.db.psql(
+        "UPDATE orders_v2 SET status = 'paid' WHERE order_id = 'ORD-0000100'; \
+         INSERT INTO orders_v2 SELECT region, substring(user_id from 2)::bigint, order_id, \
+           status, (total_amount * 100)::bigint, created_at FROM orders \
+         WHERE order_id = 'ORD-0000200'; \
+         DELETE FROM orders_v2 WHERE order_id = 'ORD-9999999'; \
+         DELETE FROM orders WHERE order_id = 'ORD-BAD';",
+    );
+    m.catch_up("orders", "orders_v2", "repaired");
+    let (equal, report) = verify(&m, &[]);
+    assert!(equal, "verify after the repair: {report:#}");
+    daemon.terminate();
+}
+
+const TRAPS_SCHEMA: &str = "
+    CREATE TABLE items (
+        id bigint PRIMARY KEY,
+        price numeric(12,2) NOT NULL,
+        seen text NOT NULL,
+        doc json NOT NULL
+    );
+    CREATE TABLE items_v2 (
+        id bigint PRIMARY KEY,
+        price numeric NOT NULL,
+        seen timestamptz NOT NULL,
+        doc json NOT NULL
+    );
+    INSERT INTO items SELECT g, g + 0.5, '2024-03-01 12:00:00+02', '{\"a\": 1, \"b\": [1, 2]}'
+    FROM generate_series(1, 2500) g;";
+
+const TRAPS_FILE: &str = r#"
+[migration]
+name = "items_v2"
+url = "${PG_URL}"
+source = "items"
+target = "items_v2"
+state_dir = "${STATE_DIR}"
+slot = "${REFRACT_SLOT}"
+
+[columns.id]
+[columns.price]
+transform = "cast"
+[columns.seen]
+transform = "cast"
+[columns.doc]
+"#;
+
+#[test]
+fn equal_values_written_differently_are_equal_and_integer_keys_chunk_in_order() {
+    let m = Migration::with_file("refract_mig_traps", TRAPS_SCHEMA, "items_v2", TRAPS_FILE);
+    let mut daemon = m.start();
+    let out = m.run("backfill", &[]);
+    assert!(out.status.success(), "backfill: {}", text(&out));
+    // The same values, written differently: `2.0` for `2.50`'s neighbour `2.00`, the instant
+    // written in another zone (the source has it as text with +02), the JSON keys reordered.
+    m.db.psql(
+        "INSERT INTO items VALUES (0, 2.00, '2024-03-01 10:00:00Z', '{\"b\": [1, 2], \"a\": 1}'); \
+         UPDATE items_v2 SET doc = '{ \"b\" : [1,2], \"a\" : 1.0 }' WHERE id % 7 = 0; \
+         UPDATE items_v2 SET price = price * 1.000 WHERE id % 5 = 0;",
+    );
+    m.catch_up_with(
+        "INSERT INTO items VALUES (99999, 1, '2024-01-01 00:00:00+00', '{}')",
+        "items_v2",
+        "id = 99999",
+    );
+    m.db.psql("UPDATE items_v2 SET price = 2.0 WHERE id = 0");
+    // Small chunks: many boundaries, where ids sorted as text (`10` before `9`) would break.
+    let (equal, report) = verify(&m, &["--chunk-rows", "97"]);
+    assert!(equal, "false differences: {report:#}");
+    assert_eq!(report["leading_rows"], 2_502);
+    assert_eq!(report["following_rows"], 2_502);
+    assert!(report["chunks"].as_u64().unwrap() > 25, "{report:#}");
+
+    // A real difference among them is found, with the column and both values.
+    m.db.psql("UPDATE items_v2 SET price = 1001.51 WHERE id = 1001");
+    let (equal, report) = verify(&m, &["--chunk-rows", "97"]);
+    assert!(!equal, "verify missed a changed price: {report:#}");
+    assert_eq!(keys_of(&report, "differs"), ["(id=1001)"], "{report:#}");
+    let column = &report["differences"][0]["columns"][0];
+    assert_eq!(column["column"], "price");
+    assert_eq!(column["found"], "1001.51");
+    assert_eq!(column["expected"], "1001.50");
+    assert_eq!(report["chunks_differing"], 1, "{report:#}");
+    daemon.terminate();
+}
