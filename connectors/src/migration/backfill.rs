@@ -66,14 +66,73 @@ pub struct Rejected {
 
 /// Copies the rows after the control row's resume point; `restart` starts from the first key
 /// again. `progress` is called after each chunk, `rejected` for each row not converted.
+///
+/// Two connections take turns: while one writes chunk k and commits it, the other reads chunk
+/// k+1 (its own transaction, its rows share-locked), so reading and converting overlap with
+/// writing. The resume point still only moves forward, chunk by chunk: chunk k+1 is written
+/// after chunk k committed. A kill loses at most the chunk being read, which nothing recorded.
 pub async fn run(
-    client: &mut Client,
+    clients: [&Client; 2],
     plan: &BackfillPlan<'_>,
     restart: bool,
     mut progress: impl FnMut(BackfillProgress),
     mut rejected: impl FnMut(&Rejected),
 ) -> Result<BackfillProgress, MigrationError> {
-    let row = plan.control.require(&*client).await?;
+    let Some((mut state, mut after)) = begin(clients[0], plan, restart).await? else {
+        let state = resume_state(clients[0], plan).await?;
+        progress(state);
+        return Ok(state);
+    };
+    let reader = Reader::new(plan.source, plan.transform.source_key());
+    let writer = Writer::new(plan.target, plan.transform.identity());
+    let started = Instant::now();
+    let copied_before = state.copied;
+    let mut turn = 0;
+    let mut chunk = read_chunk(clients[turn], &reader, plan, after.as_deref()).await?;
+    while let Some(current) = chunk {
+        for r in &current.rejected {
+            rejected(r);
+        }
+        after = Some(current.last_key.clone());
+        let next = read_chunk(clients[1 - turn], &reader, plan, after.as_deref());
+        let write = write_chunk(clients[turn], &writer, plan, &current);
+        let (next, written) = tokio::join!(next, write);
+        if let Err(e) = written {
+            // The next chunk's transaction is open on the other connection: end it too.
+            let _ = clients[1 - turn].batch_execute("ROLLBACK").await;
+            return Err(e);
+        }
+        chunk = next?;
+        turn = 1 - turn;
+        state.copied += current.rows.len() as u64;
+        state.rejected += current.rejected.len() as u64;
+        progress(state);
+        if let Some(rate) = plan.max_rows_per_second {
+            let due =
+                Duration::from_secs_f64((state.copied - copied_before) as f64 / f64::from(rate));
+            if let Some(wait) = due.checked_sub(started.elapsed()) {
+                tokio::time::sleep(wait).await;
+            }
+        }
+    }
+    plan.control
+        .update(
+            clients[0],
+            "phase = $2, backfill_done_at = now()",
+            &[&Phase::Backfilled.name()],
+        )
+        .await?;
+    Ok(state)
+}
+
+/// Checks that the backfill may run and marks it started; the counts so far and the resume
+/// point, or `None` when the backfill is done already.
+async fn begin(
+    client: &Client,
+    plan: &BackfillPlan<'_>,
+    restart: bool,
+) -> Result<Option<(BackfillProgress, Option<Vec<Value>>)>, MigrationError> {
+    let row = plan.control.require(client).await?;
     let text = |name: &str| {
         row.get(name)
             .and_then(Value::as_str)
@@ -91,103 +150,117 @@ pub async fn run(
     if restart {
         plan.control
             .update(
-                &*client,
+                client,
                 "backfill_after = NULL, rows_copied = 0, rows_rejected = 0, backfill_done_at = NULL",
                 &[],
             )
             .await?;
     }
-    let row = plan.control.require(&*client).await?;
-    let count = |name: &str| row.get(name).and_then(Value::as_u64).unwrap_or(0);
-    let mut state = BackfillProgress {
-        copied: count("rows_copied"),
-        rejected: count("rows_rejected"),
-        total: estimate(client, plan.source).await?,
-    };
+    let row = plan.control.require(client).await?;
     if !row.get("backfill_done_at").is_none_or(Value::is_null) {
-        progress(state);
-        return Ok(state);
+        return Ok(None);
     }
-    let mut after: Option<Vec<Value>> =
-        row.get("backfill_after").and_then(Value::as_array).cloned();
+    let state = resume_state(client, plan).await?;
+    let after = row.get("backfill_after").and_then(Value::as_array).cloned();
     plan.control
         .update(
-            &*client,
+            client,
             "phase = $2, backfill_started_at = coalesce(backfill_started_at, now())",
             &[&Phase::Backfilling.name()],
         )
         .await?;
-    let reader = Reader::new(plan.source, plan.transform.source_key());
-    let writer = Writer::new(plan.target, plan.transform.identity());
-    let started = Instant::now();
-    let copied_before = state.copied;
-    loop {
-        let tx = client
-            .transaction()
+    Ok(Some((state, after)))
+}
+
+/// The counts the control row holds, and the source's estimated size.
+async fn resume_state(
+    client: &Client,
+    plan: &BackfillPlan<'_>,
+) -> Result<BackfillProgress, MigrationError> {
+    let row = plan.control.require(client).await?;
+    let count = |name: &str| row.get(name).and_then(Value::as_u64).unwrap_or(0);
+    Ok(BackfillProgress {
+        copied: count("rows_copied"),
+        rejected: count("rows_rejected"),
+        total: estimate(client, plan.source).await?,
+    })
+}
+
+/// A chunk read and converted, its transaction still open on the connection that read it.
+struct Chunk {
+    rows: Vec<Row>,
+    rejected: Vec<Rejected>,
+    last_key: Vec<Value>,
+}
+
+/// Begins a transaction on `client` and reads the next chunk after `after`, share-locked;
+/// `None` (and no transaction) when no row is left.
+async fn read_chunk(
+    client: &Client,
+    reader: &Reader,
+    plan: &BackfillPlan<'_>,
+    after: Option<&[Value]>,
+) -> Result<Option<Chunk>, MigrationError> {
+    client
+        .batch_execute("BEGIN")
+        .await
+        .map_err(db("cannot begin a backfill chunk"))?;
+    let rows = reader
+        .read(client, after, None, Some(plan.batch_rows.into()), true)
+        .await?;
+    let Some(last) = rows.last() else {
+        client
+            .batch_execute("ROLLBACK")
             .await
-            .map_err(db("cannot begin a backfill chunk"))?;
-        let rows = reader
-            .read(
-                &tx,
-                after.as_deref(),
-                None,
-                Some(plan.batch_rows.into()),
-                true,
-            )
-            .await?;
-        let Some(last) = rows.last() else {
-            tx.rollback().await.map_err(db("cannot end the backfill"))?;
-            break;
-        };
-        let last_key = reader.key_of(last);
-        let mut converted: Vec<Row> = Vec::with_capacity(rows.len());
-        let mut refused = 0u64;
-        for row in &rows {
-            match plan.transform.forward(row) {
-                Ok(r) => converted.push(r),
-                Err(e) => {
-                    refused += 1;
-                    rejected(&Rejected {
-                        key: key_text(row, reader.key()),
-                        reason: e.to_string(),
-                    });
-                }
-            }
-        }
-        let refs: Vec<&Row> = converted.iter().collect();
-        writer.upsert(&tx, &refs).await?;
-        let after_json = Value::Array(last_key.clone());
-        plan.control
-            .update(
-                &tx,
-                "backfill_after = $2, rows_copied = rows_copied + $3, \
-                 rows_rejected = rows_rejected + $4",
-                &[&after_json, &(converted.len() as i64), &(refused as i64)],
-            )
-            .await?;
-        tx.commit()
-            .await
-            .map_err(db("cannot commit a backfill chunk"))?;
-        state.copied += converted.len() as u64;
-        state.rejected += refused;
-        after = Some(last_key);
-        progress(state);
-        if let Some(rate) = plan.max_rows_per_second {
-            let due =
-                Duration::from_secs_f64((state.copied - copied_before) as f64 / f64::from(rate));
-            if let Some(wait) = due.checked_sub(started.elapsed()) {
-                tokio::time::sleep(wait).await;
-            }
+            .map_err(db("cannot end the backfill"))?;
+        return Ok(None);
+    };
+    let last_key = reader.key_of(last);
+    let mut converted = Vec::with_capacity(rows.len());
+    let mut rejected = Vec::new();
+    for row in &rows {
+        match plan.transform.forward(row) {
+            Ok(r) => converted.push(r),
+            Err(e) => rejected.push(Rejected {
+                key: key_text(row, reader.key()),
+                reason: e.to_string(),
+            }),
         }
     }
+    Ok(Some(Chunk {
+        rows: converted,
+        rejected,
+        last_key,
+    }))
+}
+
+/// Writes `chunk` and its resume point in the transaction [`read_chunk`] began on `client`,
+/// and commits.
+async fn write_chunk(
+    client: &Client,
+    writer: &Writer,
+    plan: &BackfillPlan<'_>,
+    chunk: &Chunk,
+) -> Result<(), MigrationError> {
+    let refs: Vec<&Row> = chunk.rows.iter().collect();
+    writer.upsert(client, &refs).await?;
+    let after_json = Value::Array(chunk.last_key.clone());
     plan.control
         .update(
-            &*client,
-            "phase = $2, backfill_done_at = now()",
-            &[&Phase::Backfilled.name()],
+            client,
+            "backfill_after = $2, rows_copied = rows_copied + $3, \
+             rows_rejected = rows_rejected + $4",
+            &[
+                &after_json,
+                &(chunk.rows.len() as i64),
+                &(chunk.rejected.len() as i64),
+            ],
         )
         .await?;
-    Ok(state)
+    client
+        .batch_execute("COMMIT")
+        .await
+        .map_err(db("cannot commit a backfill chunk"))
 }
 
 /// The planner's estimate of the rows of `table` (exact count when it has none yet).

@@ -70,7 +70,7 @@ async fn wait_for_slot(m: &Migration) -> Result<(), MigrationError> {
 }
 
 /// Runs `backfill`.
-pub async fn run(mut m: Migration, restart: bool) -> Result<ExitCode, MigrateError> {
+pub async fn run(m: Migration, restart: bool) -> Result<ExitCode, MigrateError> {
     wait_for_slot(&m).await?;
     let bar = std::io::stderr().is_terminal().then(|| rows_bar(0));
     let rejects_path = m.state_path().join("rejected.ndjson");
@@ -120,7 +120,9 @@ pub async fn run(mut m: Migration, restart: bool) -> Result<ExitCode, MigrateErr
         batch_rows: m.file.migration.batch_rows,
         max_rows_per_second: m.file.migration.max_rows_per_second,
     };
-    let done = backfill::run(&mut m.client, &plan, restart, on_progress, on_reject).await;
+    // A second connection reads the next chunk while the first writes (see `backfill::run`).
+    let second = refract_connectors::migration::connect(&m.file.migration.url).await?;
+    let done = backfill::run([&m.client, &second], &plan, restart, on_progress, on_reject).await;
     if let Some(bar) = &bar {
         bar.finish_and_clear();
     }
