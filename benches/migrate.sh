@@ -40,13 +40,15 @@ sql "VACUUM ANALYZE orders"
 
 migrate() {
     PG_URL="$url" REFRACT_SLOT="$slot" STATE_DIR="$work/state" RUST_LOG=warn \
-        "$refract" migrate pipelines/orders-v2.migration.toml "$@"
+        "$refract" migrate ${MIGRATION_FILE:-pipelines/orders-v2.migration.toml} "$@"
 }
 now() { date +%s.%N; }
 since() { local end; end=$(now); python3 -c "print($end - $1)"; }
-ratio() { python3 -c "print(f'{$1:,.0f} rows/s / {$2:,.0f} rows/s = {$1 / $2:.2f}x')"; }
+ratio() { python3 -c "a, b = $1, $2; print(f'{a:,.0f} rows/s / {b:,.0f} rows/s = {a / b:.2f}x')"; }
 
-migrate start >"$work/daemon.log" 2>&1 &
+# Not through `migrate`: $! must be refract itself, for the cleanup to stop it.
+PG_URL="$url" REFRACT_SLOT="$slot" STATE_DIR="$work/state" RUST_LOG=warn \
+    "$refract" migrate ${MIGRATION_FILE:-pipelines/orders-v2.migration.toml} start >"$work/daemon.log" 2>&1 &
 daemon=$!
 for _ in $(seq 1 600); do
     [ "$(sql "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '$slot' AND confirmed_flush_lsn IS NOT NULL")" = 1 ] && break
@@ -80,3 +82,4 @@ printf 'INSERT … SELECT %.2fs, backfill %.2fs, hashing SELECT %.2fs, verify %.
     "$insert_s" "$backfill_s" "$hash_s" "$verify_s"
 echo "backfill: $(ratio "$rows / $backfill_s" "$rows / $insert_s")   (target >= 0.5x)"
 echo "verify:   $(ratio "$rows / $verify_s" "$rows / $hash_s")"
+echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"

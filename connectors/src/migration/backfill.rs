@@ -83,6 +83,15 @@ pub async fn run(
         progress(state);
         return Ok(state);
     };
+    for client in clients {
+        // A chunk's commit need not wait for its WAL flush: a server crash can lose only whole
+        // chunks, each with the resume point it recorded in the same transaction (and the
+        // stream never reads WAL that was not flushed), so the next run copies them again.
+        client
+            .batch_execute("SET synchronous_commit = off")
+            .await
+            .map_err(db("cannot set up the backfill's connections"))?;
+    }
     let reader = Reader::new(plan.source, plan.transform.source_key());
     let writer = Writer::new(plan.target, plan.transform.identity());
     let started = Instant::now();
