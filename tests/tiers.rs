@@ -6,6 +6,7 @@ mod common;
 
 use std::collections::BTreeSet;
 
+use common::Rng;
 use common::tiers::{
     Beat, DAY, Env, HOT, HOUR, TierDb, WARM, cold_rows, envelope, file_pipeline, model,
     per_device_day, rfc3339,
@@ -81,6 +82,116 @@ fn late_out_of_order_and_duplicate_heartbeats_land_in_their_tier_once() {
         assert_eq!(doubled, 0, "{run}: a heartbeat is in cold twice");
     }
     clear_hot(&env);
+}
+
+/// A replay of heartbeats the warm tier already holds (what a kill before the checkpoint leaves:
+/// the state is gone, the stores are not) makes the sink's binary COPY meet stored rows: that
+/// attempt is rolled back, the batch is upserted instead, and later batches of new rows are
+/// copied again. Batches mix stored and new rows, and some stored rows come back changed:
+/// afterwards every tier holds exactly what the events say, each row once.
+#[test]
+fn a_replay_of_stored_heartbeats_falls_back_from_copy_to_the_upsert() {
+    let db = TierDb::create("tiers_replay");
+    let dir = tempfile::tempdir().unwrap();
+    let env = Env::new(&db, dir.path(), "redis://127.0.0.1:6379");
+    clear_hot(&env);
+    let mut rng = Rng::new(7);
+    let mut seen = BTreeSet::new();
+    let mut events: Vec<(&str, Beat)> = Vec::new();
+    while events.len() < 3_000 {
+        let device = rng.below(300);
+        // Every tier: ages up to 32 days.
+        let ts = CLOCK - (rng.below(32 * 86_400) as i64) * 1_000_000;
+        if seen.insert((device, ts)) {
+            events.push((
+                "c",
+                Beat {
+                    device: format!("dev-{device:05}"),
+                    region: ["EU", "US_EAST"][(device % 2) as usize].into(),
+                    ts,
+                    battery: Some(rng.below(1_000) as f32 / 1_000.0),
+                    signal: -(rng.below(100) as i32),
+                },
+            ));
+        }
+    }
+    // The first run sees every 7th heartbeat of the first half; the replay sees them all, and
+    // then a changed value for some of those the first run stored.
+    let first: Vec<(&str, Beat)> = events[..1_500].iter().step_by(7).cloned().collect();
+    let changed: Vec<(&str, Beat)> = first
+        .iter()
+        .step_by(5)
+        .map(|(_, b)| {
+            let mut b = b.clone();
+            b.battery = Some(2.5);
+            ("u", b)
+        })
+        .collect();
+    events.extend(changed);
+    let write_log = |events: &[(&str, Beat)]| {
+        let log = dir.path().join("heartbeats.jsonl");
+        let lines: Vec<String> = events
+            .iter()
+            .map(|(op, b)| match *op {
+                "u" => envelope("u", Some(b), Some(b)),
+                op => envelope(op, None, Some(b)),
+            })
+            .collect();
+        std::fs::write(&log, lines.join("\n") + "\n").unwrap();
+        file_pipeline(dir.path(), &log, 100, false)
+    };
+    let mut logs = Vec::new();
+    for (run, part) in [("first run", &first), ("replay", &events)] {
+        let pipeline = write_log(part);
+        let out = common::output(
+            env.refract(&rfc3339(CLOCK))
+                .env("RUST_LOG", "warn,refract_connectors::sinks::tiers=debug")
+                .args(["run"])
+                .arg(&pipeline),
+        );
+        let stderr = without_colours(&String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{run}: {stderr}");
+        std::fs::remove_dir_all(dir.path().join("state")).unwrap();
+        logs.push(stderr);
+    }
+    assert!(
+        !logs[0].contains("warm=FellBack") && logs[0].contains("warm=Copied"),
+        "the first run copies into an empty table: {}",
+        logs[0]
+    );
+    assert!(
+        logs[1].contains("warm=FellBack") && logs[1].contains("warm=Copied"),
+        "the replay falls back to the upsert, then copies new rows again: {}",
+        logs[1]
+    );
+    let [hot, warm, cold] = model(&events, CLOCK);
+    assert_eq!(db.warm_rows(&env.warm_table), warm, "warm tier");
+    let stored: usize = db
+        .psql(&format!("SELECT count(*) FROM {}", env.warm_table))
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(stored, warm.len(), "warm rows, each once");
+    let hot_now: BTreeSet<String> = env.hot_rows().into_values().flatten().collect();
+    assert_eq!(hot_now, hot, "hot tier");
+    let (cold_now, doubled) = cold_rows(&env.cold_dir());
+    assert_eq!(cold_now, cold, "cold tier");
+    assert_eq!(doubled, 0, "a heartbeat is in cold twice");
+    clear_hot(&env);
+}
+
+/// `log` without its terminal colour codes (`ESC [ … m`).
+fn without_colours(log: &str) -> String {
+    let mut out = String::with_capacity(log.len());
+    let mut chars = log.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            chars.by_ref().find(|&c| c == 'm');
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// Removes the test's keys from the shared Redis.

@@ -3,7 +3,7 @@
 //!
 //! - [`hot`]: Redis sorted sets per device and per region, trimmed to the hot window;
 //! - [`warm`]: a PostgreSQL table partitioned by the hour;
-//! - [`cold`]: zstd Parquet by device and day on object storage;
+//! - [`cold`]: Parquet by device and day on object storage (zstd unless a file is tiny);
 //! - [`query`]: the three queries (latest heartbeats, devices online, a time range) across them.
 //!
 //! [`aging`] moves warm days past the window to cold and trims the hot tier.

@@ -37,6 +37,10 @@ const HOT_COMMANDS_PER_PIPELINE: usize = 10_000;
 const COLD_CONCURRENCY: usize = 16;
 /// SQLSTATE of an insert into a range no partition covers (an aging run detached it meanwhile).
 const NO_PARTITION: &str = "23514";
+/// Batches written with the upsert straight away after one whose COPY met rows already stored:
+/// a replay after a crash re-sends several batches in a row, and each failed COPY is work
+/// thrown away; after these the sink tries COPY again.
+const UPSERT_BATCHES_AFTER_FALLBACK: u32 = 8;
 
 /// The tiers sink.
 pub struct TiersSink {
@@ -47,6 +51,9 @@ pub struct TiersSink {
     cold: Option<(Arc<dyn ObjectStore>, Path)>,
     /// Hours whose warm partition is known to exist.
     partitions: BTreeSet<i64>,
+    /// Batches still to write with the upsert rather than COPY (see
+    /// [`UPSERT_BATCHES_AFTER_FALLBACK`]).
+    upserts_left: u32,
 }
 
 impl TiersSink {
@@ -63,6 +70,7 @@ impl TiersSink {
             warm: None,
             cold: None,
             partitions: BTreeSet::new(),
+            upserts_left: 0,
         }
     }
 
@@ -113,14 +121,21 @@ impl TiersSink {
             if let Err(e) = warm::create(&client, &layout).await {
                 return Err(self.warm_error("cannot create the warm table", e));
             }
+            match warm::partitions(&client, &layout).await {
+                Ok(held) => self
+                    .partitions
+                    .extend(held.into_iter().map(|(_, hour)| hour)),
+                Err(e) => return Err(self.warm_error("cannot list the warm partitions", e)),
+            }
             self.warm = Some(client);
         }
         Ok(())
     }
 
-    /// Applies the batch's warm writes in one transaction, creating the partitions they and the
-    /// next `partitions_ahead` hours need.
-    async fn write_warm(&mut self, ops: &[&TierWrite]) -> Result<(), SinkError> {
+    /// Applies the batch's warm writes in one transaction (see [`warm::apply`]: COPY, or the
+    /// upsert when rows are already stored), creating the partitions they and the next
+    /// `partitions_ahead` hours need.
+    async fn write_warm(&mut self, ops: &[&TierWrite]) -> Result<warm::Applied, SinkError> {
         let layout = self.layout()?.clone();
         let mut last: warm::Final = Default::default();
         let mut hours = BTreeSet::new();
@@ -140,25 +155,29 @@ impl TiersSink {
             );
         }
         if last.is_empty() && hours.is_subset(&self.partitions) {
-            return Ok(());
+            return Ok(warm::Applied::Upserted);
         }
         for attempt in 0..2 {
             let missing: BTreeSet<i64> = hours.difference(&self.partitions).copied().collect();
+            let copy = self.upserts_left == 0;
             let client = self
                 .warm
                 .as_mut()
                 .ok_or_else(|| SinkError::not_open("tiers"))?;
             let result = async {
                 warm::ensure_partitions(client, &layout, &missing).await?;
-                let tx = client.transaction().await?;
-                warm::apply(&tx, &layout, &last).await?;
-                tx.commit().await
+                warm::apply(client, &layout, &last, copy).await
             }
             .await;
             match result {
-                Ok(()) => {
+                Ok(applied) => {
                     self.partitions.extend(missing);
-                    return Ok(());
+                    self.upserts_left = match applied {
+                        warm::Applied::FellBack => UPSERT_BATCHES_AFTER_FALLBACK,
+                        warm::Applied::Copied => 0,
+                        warm::Applied::Upserted => self.upserts_left.saturating_sub(1),
+                    };
+                    return Ok(applied);
                 }
                 // An aging run detached a partition this sink thought was there: make it again.
                 Err(e) if attempt == 0 && e.code().is_some_and(|c| c.code() == NO_PARTITION) => {
@@ -279,10 +298,10 @@ impl Sink for TiersSink {
         // batch fails (and is retried whole) if any fails.
         let (stored, hot) = tokio::join!(
             async {
-                self.write_warm(&ops).await?;
+                let applied = self.write_warm(&ops).await?;
                 let warm_ms = started.elapsed().as_millis();
                 self.write_cold(&ops).await?;
-                Ok::<_, SinkError>((warm_ms, started.elapsed().as_millis()))
+                Ok::<_, SinkError>((applied, warm_ms, started.elapsed().as_millis()))
             },
             async {
                 send_hot(&mut redis, &name, &layout, &commands).await?;
@@ -290,9 +309,9 @@ impl Sink for TiersSink {
             },
         );
         self.redis = Some(redis);
-        let (warm_ms, cold_ms) = stored?;
+        let (warm, warm_ms, cold_ms) = stored?;
         let hot_ms = hot?;
-        tracing::debug!(sink = %self.name, ops = ops.len(), warm_ms, cold_ms, hot_ms, "tiers batch written");
+        tracing::debug!(sink = %self.name, ops = ops.len(), ?warm, warm_ms, cold_ms, hot_ms, "tiers batch written");
         let deleted = ops
             .iter()
             .filter(|op| op.action == TierAction::Delete)

@@ -1,4 +1,5 @@
-//! The cold tier: zstd Parquet files on object storage, by device and day (UTC).
+//! The cold tier: Parquet files on object storage, by device and day (UTC); zstd from
+//! [`COMPRESS_FROM_ROWS`] rows, uncompressed below.
 //!
 //! ```text
 //! {url}/device_id={device}/date={yyyyMMdd}/aged-{run}.parquet   a warm day exported by aging run `run`
@@ -93,7 +94,13 @@ pub fn schema(columns: &[TierColumn]) -> SchemaRef {
     Arc::new(Schema::new(fields))
 }
 
-/// `rows` as one zstd Parquet file.
+/// Rows from which a cold file is zstd-compressed. A file of a few rows (late heartbeats of a
+/// device-day trickling in) is mostly footer and metadata: compressing its column chunks saves
+/// a few bytes and costs a compressor per column chunk, paid again at every rewrite of the
+/// late file. Readers (DuckDB, Athena, pyarrow) read either, chunk by chunk.
+pub const COMPRESS_FROM_ROWS: usize = 64;
+
+/// `rows` as one Parquet file: zstd from [`COMPRESS_FROM_ROWS`] rows, uncompressed below.
 pub fn encode(columns: &[TierColumn], rows: &[&Heartbeat]) -> Result<Bytes, String> {
     let schema = schema(columns);
     let strings = |f: &dyn Fn(&Heartbeat) -> &str| -> ArrayRef {
@@ -120,8 +127,13 @@ pub fn encode(columns: &[TierColumn], rows: &[&Heartbeat]) -> Result<Bytes, Stri
         arrays.push(column_array(c.kind, values));
     }
     let batch = RecordBatch::try_new(schema.clone(), arrays).map_err(|e| e.to_string())?;
+    let compression = if rows.len() < COMPRESS_FROM_ROWS {
+        Compression::UNCOMPRESSED
+    } else {
+        Compression::ZSTD(ZstdLevel::default())
+    };
     let props = WriterProperties::builder()
-        .set_compression(Compression::ZSTD(ZstdLevel::default()))
+        .set_compression(compression)
         .build();
     let mut out = Vec::new();
     let mut writer =

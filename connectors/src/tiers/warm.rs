@@ -7,19 +7,25 @@
 //! {table}_aging        the aging job's runs (see `super::aging`)
 //! ```
 //!
-//! Partitions are created ahead of the pipeline clock and for every hour a batch reaches. A
-//! batch is applied in one transaction: the last operation per `(device_id, ts)` wins, deletes
-//! as one `DELETE … USING unnest(…)`, puts as one `INSERT … SELECT FROM unnest(…) ON CONFLICT
-//! DO UPDATE`, so a replayed batch leaves the same rows.
+//! Partitions are created ahead of the pipeline clock and for every hour a batch reaches,
+//! [`PARTITIONS_PER_ROUND_TRIP`] at a time. A batch is applied in one transaction: the last
+//! operation per `(device_id, ts)` wins, deletes as one `DELETE … USING unnest(…)`, puts as one
+//! binary `COPY`; when a put is already stored (a replay after a crash re-sends rows) the COPY
+//! fails on the primary key, that transaction is rolled back and the batch is applied again
+//! with one `INSERT … SELECT FROM unnest(…) ON CONFLICT DO UPDATE` instead, so a replayed batch
+//! leaves the same rows. Times travel in binary (`timestamptz`), never as text to parse.
 
 use std::collections::{BTreeSet, HashMap};
+use std::error::Error as StdError;
 
+use bytes::{BufMut, BytesMut};
 use chrono::{DateTime, Utc};
 use refract_schemas::config::{TierColumnType, TierLayout};
 use refract_schemas::write::tiers::Heartbeat;
 use serde_json::Value;
-use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, GenericClient};
+use tokio_postgres::binary_copy::BinaryCopyInWriter;
+use tokio_postgres::types::{IsNull, ToSql, Type, to_sql_checked};
+use tokio_postgres::{Client, GenericClient, Transaction};
 
 /// An hour in microseconds.
 pub const HOUR_MICROS: i64 = 3_600_000_000;
@@ -83,6 +89,88 @@ pub fn timestamp_text(micros: i64) -> String {
     utc(micros).format("%Y-%m-%d %H:%M:%S%.6f+00").to_string()
 }
 
+/// PostgreSQL's epoch, 2000-01-01T00:00:00Z, in microseconds since the Unix epoch: binary
+/// `timestamptz` values count from it.
+const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
+
+/// Microseconds since the Unix epoch as a binary `timestamptz` parameter (or array element):
+/// eight bytes, where the text form costs a format here and a parse in PostgreSQL per value.
+#[derive(Debug, Clone, Copy)]
+pub struct PgTime(pub i64);
+
+impl ToSql for PgTime {
+    fn to_sql(
+        &self,
+        _: &Type,
+        out: &mut BytesMut,
+    ) -> Result<IsNull, Box<dyn StdError + Sync + Send>> {
+        let since_2000 = self
+            .0
+            .checked_sub(PG_EPOCH_MICROS)
+            .ok_or("timestamp out of range")?;
+        out.put_i64(since_2000);
+        Ok(IsNull::No)
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        *ty == Type::TIMESTAMPTZ
+    }
+
+    to_sql_checked!();
+}
+
+/// One measurement as a parameter of its column's type: a value the projection did not type as
+/// the column's (which it checked) is null.
+#[derive(Debug, Clone, Copy)]
+struct Measure<'a>(TierColumnType, &'a Value);
+
+impl ToSql for Measure<'_> {
+    fn to_sql(
+        &self,
+        ty: &Type,
+        out: &mut BytesMut,
+    ) -> Result<IsNull, Box<dyn StdError + Sync + Send>> {
+        let v = self.1;
+        match self.0 {
+            TierColumnType::Text => v.as_str().to_sql(ty, out),
+            TierColumnType::Int => v
+                .as_i64()
+                .and_then(|i| i32::try_from(i).ok())
+                .to_sql(ty, out),
+            TierColumnType::Bigint => v.as_i64().to_sql(ty, out),
+            TierColumnType::Real => v.as_f64().map(|f| f as f32).to_sql(ty, out),
+            TierColumnType::Double => v.as_f64().to_sql(ty, out),
+            TierColumnType::Boolean => v.as_bool().to_sql(ty, out),
+        }
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        [
+            Type::TEXT,
+            Type::INT4,
+            Type::INT8,
+            Type::FLOAT4,
+            Type::FLOAT8,
+            Type::BOOL,
+        ]
+        .contains(ty)
+    }
+
+    to_sql_checked!();
+}
+
+/// The PostgreSQL type of a measurement column (what [`TierColumnType::sql`] names).
+fn pg_type(kind: TierColumnType) -> Type {
+    match kind {
+        TierColumnType::Text => Type::TEXT,
+        TierColumnType::Int => Type::INT4,
+        TierColumnType::Bigint => Type::INT8,
+        TierColumnType::Real => Type::FLOAT4,
+        TierColumnType::Double => Type::FLOAT8,
+        TierColumnType::Boolean => Type::BOOL,
+    }
+}
+
 /// The statements that create the warm table and the aging table when missing.
 pub fn create_statements(layout: &TierLayout) -> Vec<String> {
     let (schema, _) = schema_and_table(layout);
@@ -134,6 +222,12 @@ fn tolerate_race(result: Result<(), tokio_postgres::Error>) -> Result<(), tokio_
     }
 }
 
+/// Partitions created per round trip: each `CREATE TABLE` on its own would cost a round trip
+/// and a commit (a WAL flush); a month of hours is 720 of them. Sixteen statements share one
+/// implicit transaction, and a failed group (another writer raced on one of them) is redone
+/// one statement at a time.
+pub const PARTITIONS_PER_ROUND_TRIP: usize = 16;
+
 /// Creates the partitions of `hours` (hour starts) that are missing.
 pub async fn ensure_partitions(
     client: &impl GenericClient,
@@ -141,16 +235,26 @@ pub async fn ensure_partitions(
     hours: &BTreeSet<i64>,
 ) -> Result<(), tokio_postgres::Error> {
     let (schema, _) = schema_and_table(layout);
-    for &hour in hours {
-        let statement = format!(
-            "CREATE TABLE IF NOT EXISTS {}.{} PARTITION OF {} FOR VALUES FROM ('{}') TO ('{}')",
-            quote(schema),
-            quote(&partition_name(layout, hour)),
-            table(layout),
-            timestamp_text(hour),
-            timestamp_text(hour + HOUR_MICROS)
-        );
-        tolerate_race(client.batch_execute(&statement).await)?;
+    let statements: Vec<String> = hours
+        .iter()
+        .map(|&hour| {
+            format!(
+                "CREATE TABLE IF NOT EXISTS {}.{} PARTITION OF {} FOR VALUES FROM ('{}') TO ('{}')",
+                quote(schema),
+                quote(&partition_name(layout, hour)),
+                table(layout),
+                timestamp_text(hour),
+                timestamp_text(hour + HOUR_MICROS)
+            )
+        })
+        .collect();
+    for group in statements.chunks(PARTITIONS_PER_ROUND_TRIP) {
+        if group.len() > 1 && client.batch_execute(&group.join(";\n")).await.is_ok() {
+            continue;
+        }
+        for statement in group {
+            tolerate_race(client.batch_execute(statement).await)?;
+        }
     }
     Ok(())
 }
@@ -184,35 +288,124 @@ pub async fn partitions(
 /// delete.
 pub type Final<'a> = HashMap<(&'a str, i64), Option<&'a Heartbeat>>;
 
-/// Applies `rows` (the batch's final states) inside `client`'s transaction.
+/// SQLSTATE of a unique violation: a COPY met a row already stored.
+const UNIQUE_VIOLATION: &str = "23505";
+
+/// How a batch reached the warm table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// Its puts were copied in (none was stored before).
+    Copied,
+    /// COPY met a put already stored: rolled back, then upserted.
+    FellBack,
+    /// Upserted without trying COPY (not asked for, or nothing to put).
+    Upserted,
+}
+
+/// Applies `rows` (a batch's final states) in one transaction of its own, committed before this
+/// returns. With `copy`, the puts are first sent with binary COPY (the fast path, for rows
+/// never seen); if one is already stored, that transaction is rolled back and the batch is
+/// applied again with the idempotent upsert. Either way the table ends with the same rows.
 pub async fn apply(
-    client: &impl GenericClient,
+    client: &mut Client,
     layout: &TierLayout,
     rows: &Final<'_>,
-) -> Result<(), tokio_postgres::Error> {
+    copy: bool,
+) -> Result<Applied, tokio_postgres::Error> {
+    if rows.is_empty() {
+        return Ok(Applied::Upserted);
+    }
     let (deletes, puts): (Vec<_>, Vec<_>) = rows.iter().partition(|(_, v)| v.is_none());
-    if !deletes.is_empty() {
-        let devices: Vec<&str> = deletes.iter().map(|((d, _), _)| *d).collect();
-        let times: Vec<String> = deletes
-            .iter()
-            .map(|((_, t), _)| timestamp_text(*t))
-            .collect();
-        client
-            .execute(
-                &format!(
-                    "DELETE FROM {} w USING unnest($1::text[], $2::text[]) AS k(device_id, ts) \
-                     WHERE w.device_id = k.device_id AND w.ts = k.ts::timestamptz",
-                    table(layout)
-                ),
-                &[&devices, &times],
-            )
-            .await?;
-    }
+    let deletes: Vec<(&str, i64)> = deletes.iter().map(|(k, _)| **k).collect();
     let puts: Vec<&Heartbeat> = puts.iter().filter_map(|(_, v)| **v).collect();
-    if !puts.is_empty() {
-        upsert(client, layout, &puts).await?;
+    let mut applied = Applied::Upserted;
+    if copy && !puts.is_empty() {
+        let tx = client.transaction().await?;
+        delete(&tx, layout, &deletes).await?;
+        match copy_in(&tx, layout, &puts).await {
+            Ok(_) => {
+                tx.commit().await?;
+                return Ok(Applied::Copied);
+            }
+            Err(e) if e.code().is_some_and(|c| c.code() == UNIQUE_VIOLATION) => {
+                tx.rollback().await?;
+                applied = Applied::FellBack;
+            }
+            Err(e) => return Err(e),
+        }
     }
+    let tx = client.transaction().await?;
+    delete(&tx, layout, &deletes).await?;
+    if !puts.is_empty() {
+        upsert(&tx, layout, &puts).await?;
+    }
+    tx.commit().await?;
+    Ok(applied)
+}
+
+/// Deletes the heartbeats `keys` name, if stored.
+async fn delete(
+    client: &impl GenericClient,
+    layout: &TierLayout,
+    keys: &[(&str, i64)],
+) -> Result<(), tokio_postgres::Error> {
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let devices: Vec<&str> = keys.iter().map(|(d, _)| *d).collect();
+    let times: Vec<PgTime> = keys.iter().map(|(_, t)| PgTime(*t)).collect();
+    client
+        .execute(
+            &format!(
+                "DELETE FROM {} w USING unnest($1::text[], $2::timestamptz[]) AS k(device_id, ts) \
+                 WHERE w.device_id = k.device_id AND w.ts = k.ts",
+                table(layout)
+            ),
+            &[&devices, &times],
+        )
+        .await?;
     Ok(())
+}
+
+/// Inserts `rows` (no `(device_id, ts)` twice) with one binary COPY; fails with a unique
+/// violation (SQLSTATE 23505) when one of them is already stored, which aborts the transaction.
+pub async fn copy_in(
+    tx: &Transaction<'_>,
+    layout: &TierLayout,
+    rows: &[&Heartbeat],
+) -> Result<u64, tokio_postgres::Error> {
+    let columns = &layout.heartbeats.columns;
+    let mut types = vec![Type::TEXT, Type::TIMESTAMPTZ, Type::TEXT, Type::TEXT];
+    types.extend(columns.iter().map(|c| pg_type(c.kind)));
+    let names: String = columns
+        .iter()
+        .map(|c| format!(", {}", quote(&c.name)))
+        .collect();
+    let sink = tx
+        .copy_in(&format!(
+            "COPY {} (device_id, ts, region, device_hash{names}) FROM STDIN (FORMAT binary)",
+            table(layout)
+        ))
+        .await?;
+    let mut writer = std::pin::pin!(BinaryCopyInWriter::new(sink, &types));
+    for h in rows {
+        let ts = PgTime(h.ts_micros);
+        let measures: Vec<Measure> = columns
+            .iter()
+            .enumerate()
+            .map(|(i, c)| Measure(c.kind, h.values.get(i).unwrap_or(&Value::Null)))
+            .collect();
+        let mut cells: Vec<&(dyn ToSql + Sync)> = Vec::with_capacity(types.len());
+        cells.extend([
+            &h.device_id as &(dyn ToSql + Sync),
+            &ts,
+            &h.region,
+            &h.device_hash,
+        ]);
+        cells.extend(measures.iter().map(|m| m as &(dyn ToSql + Sync)));
+        writer.as_mut().write(&cells).await?;
+    }
+    writer.finish().await
 }
 
 /// Inserts or replaces `rows` (no `(device_id, ts)` twice).
@@ -223,19 +416,20 @@ pub async fn upsert(
 ) -> Result<u64, tokio_postgres::Error> {
     let columns = &layout.heartbeats.columns;
     let devices: Vec<&str> = rows.iter().map(|h| h.device_id.as_str()).collect();
-    let times: Vec<String> = rows.iter().map(|h| timestamp_text(h.ts_micros)).collect();
+    let times: Vec<PgTime> = rows.iter().map(|h| PgTime(h.ts_micros)).collect();
     let regions: Vec<&str> = rows.iter().map(|h| h.region.as_str()).collect();
     let hashes: Vec<&str> = rows.iter().map(|h| h.device_hash.as_str()).collect();
-    let mut params: Vec<Box<dyn ToSql + Sync + Send>> = vec![
-        Box::new(devices),
-        Box::new(times),
-        Box::new(regions),
-        Box::new(hashes),
-    ];
-    for (i, c) in columns.iter().enumerate() {
-        let values = rows.iter().map(|h| h.values.get(i).unwrap_or(&Value::Null));
-        params.push(typed_array(c.kind, values));
-    }
+    let measures: Vec<Vec<Measure>> = columns
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            rows.iter()
+                .map(|h| Measure(c.kind, h.values.get(i).unwrap_or(&Value::Null)))
+                .collect()
+        })
+        .collect();
+    let mut params: Vec<&(dyn ToSql + Sync)> = vec![&devices, &times, &regions, &hashes];
+    params.extend(measures.iter().map(|m| m as &(dyn ToSql + Sync)));
     let names: Vec<String> = columns.iter().map(|c| quote(&c.name)).collect();
     let casts: String = columns
         .iter()
@@ -246,56 +440,17 @@ pub async fn upsert(
         .iter()
         .map(|n| format!(", {n} = EXCLUDED.{n}"))
         .collect();
+    let aliases: String = (0..columns.len()).map(|i| format!(", c{i}")).collect();
     let statement = format!(
         "INSERT INTO {} (device_id, ts, region, device_hash{}) \
-         SELECT d, t::timestamptz, r, h{} FROM unnest($1::text[], $2::text[], $3::text[], \
-         $4::text[]{casts}) AS u(d, t, r, h{}) \
+         SELECT d, t, r, h{aliases} FROM unnest($1::text[], $2::timestamptz[], $3::text[], \
+         $4::text[]{casts}) AS u(d, t, r, h{aliases}) \
          ON CONFLICT (device_id, ts) DO UPDATE SET region = EXCLUDED.region, \
          device_hash = EXCLUDED.device_hash{sets}",
         table(layout),
         names.iter().map(|n| format!(", {n}")).collect::<String>(),
-        (0..columns.len())
-            .map(|i| format!(", c{i}"))
-            .collect::<String>(),
-        (0..columns.len())
-            .map(|i| format!(", c{i}"))
-            .collect::<String>(),
     );
-    let refs: Vec<&(dyn ToSql + Sync)> = params
-        .iter()
-        .map(|p| p.as_ref() as &(dyn ToSql + Sync))
-        .collect();
-    client.execute(&statement, &refs).await
-}
-
-/// One column's values as a PostgreSQL array parameter of its type (values were checked
-/// against the type by the projection; anything else is null).
-fn typed_array<'a>(
-    kind: TierColumnType,
-    values: impl Iterator<Item = &'a Value>,
-) -> Box<dyn ToSql + Sync + Send> {
-    match kind {
-        TierColumnType::Text => Box::new(
-            values
-                .map(|v| v.as_str().map(str::to_owned))
-                .collect::<Vec<Option<String>>>(),
-        ),
-        TierColumnType::Int => Box::new(
-            values
-                .map(|v| v.as_i64().and_then(|i| i32::try_from(i).ok()))
-                .collect::<Vec<Option<i32>>>(),
-        ),
-        TierColumnType::Bigint => Box::new(values.map(Value::as_i64).collect::<Vec<Option<i64>>>()),
-        TierColumnType::Real => Box::new(
-            values
-                .map(|v| v.as_f64().map(|f| f as f32))
-                .collect::<Vec<Option<f32>>>(),
-        ),
-        TierColumnType::Double => Box::new(values.map(Value::as_f64).collect::<Vec<Option<f64>>>()),
-        TierColumnType::Boolean => {
-            Box::new(values.map(Value::as_bool).collect::<Vec<Option<bool>>>())
-        }
-    }
+    client.execute(&statement, &params).await
 }
 
 /// The heartbeats of `relation` (a partition, or the warm table) matching `condition` (SQL on
