@@ -105,24 +105,32 @@ pub async fn run(
         after = Some(current.last_key.clone());
         let next = read_chunk(clients[1 - turn], &reader, plan, after.as_deref());
         let write = write_chunk(clients[turn], &writer, plan, &current);
-        let (next, written) = tokio::join!(next, write);
-        if let Err(e) = written {
-            // The next chunk's transaction is open on the other connection: end it too.
-            let _ = clients[1 - turn].batch_execute("ROLLBACK").await;
-            return Err(e);
-        }
-        chunk = next?;
-        turn = 1 - turn;
+        let Some(rate) = plan.max_rows_per_second else {
+            let (next, written) = tokio::join!(next, write);
+            if let Err(e) = written {
+                // The next chunk's transaction is open on the other connection: end it too.
+                let _ = clients[1 - turn].batch_execute("ROLLBACK").await;
+                return Err(e);
+            }
+            chunk = next?;
+            turn = 1 - turn;
+            state.copied += current.rows.len() as u64;
+            state.rejected += current.rejected.len() as u64;
+            progress(state);
+            continue;
+        };
+        // Throttled: the pause comes between a commit and the next read, so that no row
+        // stays share-locked (applications' writes to it waiting) while the backfill sleeps.
+        write.await?;
         state.copied += current.rows.len() as u64;
         state.rejected += current.rejected.len() as u64;
         progress(state);
-        if let Some(rate) = plan.max_rows_per_second {
-            let due =
-                Duration::from_secs_f64((state.copied - copied_before) as f64 / f64::from(rate));
-            if let Some(wait) = due.checked_sub(started.elapsed()) {
-                tokio::time::sleep(wait).await;
-            }
+        let due = Duration::from_secs_f64((state.copied - copied_before) as f64 / f64::from(rate));
+        if let Some(wait) = due.checked_sub(started.elapsed()) {
+            tokio::time::sleep(wait).await;
         }
+        chunk = next.await?;
+        turn = 1 - turn;
     }
     plan.control
         .update(
