@@ -8,7 +8,8 @@
 # Prints `figure / baseline = ratio` for each.
 #
 # Usage: benches/migrate.sh [ROWS]   (default 1000000; PG_URL names the server, as in the
-# environment contract; the benchmark works in a database of its own, `refract_bench_migrate`)
+# environment contract; the benchmark works in a database of its own, `refract_bench_migrate`;
+# MIGRATION_FILE another migration file of the same tables, e.g. with another batch_rows)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rows=${1:-1000000}
@@ -40,7 +41,7 @@ sql "VACUUM ANALYZE orders"
 
 migrate() {
     PG_URL="$url" REFRACT_SLOT="$slot" STATE_DIR="$work/state" RUST_LOG=warn \
-        "$refract" migrate ${MIGRATION_FILE:-pipelines/orders-v2.migration.toml} "$@"
+        "$refract" migrate "${MIGRATION_FILE:-pipelines/orders-v2.migration.toml}" "$@"
 }
 now() { date +%s.%N; }
 since() { local end; end=$(now); python3 -c "print($end - $1)"; }
@@ -48,7 +49,7 @@ ratio() { python3 -c "a, b = $1, $2; print(f'{a:,.0f} rows/s / {b:,.0f} rows/s =
 
 # Not through `migrate`: $! must be refract itself, for the cleanup to stop it.
 PG_URL="$url" REFRACT_SLOT="$slot" STATE_DIR="$work/state" RUST_LOG=warn \
-    "$refract" migrate ${MIGRATION_FILE:-pipelines/orders-v2.migration.toml} start >"$work/daemon.log" 2>&1 &
+    "$refract" migrate "${MIGRATION_FILE:-pipelines/orders-v2.migration.toml}" start >"$work/daemon.log" 2>&1 &
 daemon=$!
 for _ in $(seq 1 600); do
     [ "$(sql "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '$slot' AND confirmed_flush_lsn IS NOT NULL")" = 1 ] && break
