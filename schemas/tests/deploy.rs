@@ -26,7 +26,8 @@ fn metric_names(text: &str) -> BTreeSet<String> {
         while end < bytes.len() && (bytes[end].is_ascii_lowercase() || bytes[end] == b'_') {
             end += 1;
         }
-        let before_ok = start == 0 || !(bytes[start - 1].is_ascii_alphanumeric() || bytes[start - 1] == b'_');
+        let before_ok =
+            start == 0 || !(bytes[start - 1].is_ascii_alphanumeric() || bytes[start - 1] == b'_');
         if before_ok {
             names.insert(text[start..end].to_owned());
         }
@@ -55,9 +56,20 @@ fn declared(dir: &Path, out: &mut BTreeSet<String>) {
 /// The PromQL expressions of the dashboard's panels.
 fn dashboard_exprs(dashboard: &Value) -> Vec<String> {
     let mut exprs = Vec::new();
-    for panel in dashboard["panels"].as_array().expect("the dashboard has panels") {
-        for target in panel["targets"].as_array().expect("every panel has targets") {
-            exprs.push(target["expr"].as_str().expect("every target has an expr").to_owned());
+    for panel in dashboard["panels"]
+        .as_array()
+        .expect("the dashboard has panels")
+    {
+        for target in panel["targets"]
+            .as_array()
+            .expect("every panel has targets")
+        {
+            exprs.push(
+                target["expr"]
+                    .as_str()
+                    .expect("every target has an expr")
+                    .to_owned(),
+            );
         }
     }
     exprs
@@ -76,16 +88,26 @@ fn the_dashboard_and_the_alert_rules_query_metrics_refract_exports() {
     let exprs = dashboard_exprs(&dashboard);
     assert!(exprs.len() >= 10, "{} queries", exprs.len());
     let rules = std::fs::read_to_string(root.join("deploy/prometheus/refract-alerts.yml")).unwrap();
-    let expr_lines: Vec<&str> = rules.lines().filter(|l| l.trim_start().starts_with("expr:")).collect();
+    let expr_lines: Vec<&str> = rules
+        .lines()
+        .filter(|l| l.trim_start().starts_with("expr:"))
+        .collect();
     assert!(expr_lines.len() >= 4, "{expr_lines:?}");
 
     for (file, expr) in exprs
         .iter()
         .map(|e| ("deploy/grafana/refract.json", e.as_str()))
-        .chain(expr_lines.iter().map(|e| ("deploy/prometheus/refract-alerts.yml", *e)))
+        .chain(
+            expr_lines
+                .iter()
+                .map(|e| ("deploy/prometheus/refract-alerts.yml", *e)),
+        )
     {
         let names = metric_names(expr);
-        assert!(!names.is_empty(), "{file}: `{expr}` queries no refract metric");
+        assert!(
+            !names.is_empty(),
+            "{file}: `{expr}` queries no refract metric"
+        );
         for name in names {
             // A histogram's series carry suffixes its declaration does not.
             let base = ["_bucket", "_sum", "_count"]
