@@ -203,3 +203,31 @@ fn a_migration_under_a_live_writer_survives_kills_in_every_phase() {
     let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
     assert_eq!(status["control"]["phase"], "finalized");
 }
+
+/// The backfill reads `orders` in share-locked chunks while an application locks rows in another
+/// order: the backfill gives way, the application's transaction commits (it is never the
+/// deadlock victim), and after a catch-up the two tables compare equal in SQL.
+#[test]
+fn the_backfill_gives_way_to_an_application_locking_rows_in_another_order() {
+    let m = Migration::create("migrate_gives_way", 1000);
+    let mut daemon = m.start();
+    let mut backfill = m.command("backfill", &[]);
+    backfill.env("RUST_LOG", "warn");
+    let run = common::pg::applications_lock_against_a_reader(
+        &m.db.url(),
+        "orders",
+        "order_id",
+        "status = 'cancelled'",
+        ["'ORD-0000002'", "'ORD-0000500'", "'ORD-0000700'"],
+        backfill,
+    );
+    let log = stdout(&run);
+    assert!(run.status.success(), "backfill: {log}");
+    assert!(
+        log.contains("giving way"),
+        "the backfill never gave way: {log}"
+    );
+    m.catch_up("orders", "orders_v2", "gives-way");
+    assert_eq!(m.sql_differences(), 0, "orders and orders_v2 differ");
+    kill9(&mut daemon);
+}

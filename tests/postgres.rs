@@ -754,6 +754,60 @@ fn backfill_without_a_daemon_under_update_and_delete_load() {
     drop_slot(name);
 }
 
+/// The chunks that finish an interrupted initial snapshot hold rows in key order while an
+/// application locks rows in another order: a chunk gives way, the application's transaction
+/// commits (it is never the deadlock victim), the snapshot finishes and the read model equals
+/// the table.
+#[test]
+fn a_snapshot_chunk_gives_way_to_an_application_locking_rows_in_another_order() {
+    let name = "pg_gives_way";
+    fresh_table(name);
+    psql(&format!(
+        "INSERT INTO {name} SELECT g, 'row ' || g, g, g, NULL FROM generate_series(1, 40000) g"
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    // One chunk reads everything after the resume point (at most the 12,000th row, below).
+    let pipeline = pipeline_file_with(dir.path(), name, &out, "chunk_rows = 40000");
+    let mut daemon = quiet_daemon(&pipeline);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while std::fs::read_dir(out.join(name)).map_or(0, |d| d.count()) < 12_000 {
+        assert!(std::time::Instant::now() < deadline, "no 12,000 documents");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    daemon.child().kill().unwrap();
+    daemon.child().wait().unwrap();
+    assert!(
+        dir.path()
+            .join(format!("state/{name}/snapshot-copy.json"))
+            .exists(),
+        "killed inside the COPY phase"
+    );
+    // The restart finishes the snapshot in chunks, while the applications hold their locks.
+    let mut resume = refract();
+    resume
+        .env("RUST_LOG", "warn")
+        .arg("run")
+        .arg(&pipeline)
+        .arg("--until-caught-up");
+    let run = common::pg::applications_lock_against_a_reader(
+        &pg_url(),
+        name,
+        "id",
+        "name = 'locked by an application'",
+        ["39000", "39500", "39900"],
+        resume,
+    );
+    let log = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "the resumed snapshot failed: {log}");
+    assert!(
+        log.contains("giving way"),
+        "the chunk never gave way: {log}"
+    );
+    catch_up(&pipeline);
+    assert_read_model(&table_state(name), &out, "after the snapshot");
+}
+
 #[test]
 fn backfill_without_a_daemon_resumes_and_re_reads_only_the_named_table() {
     let name = "pg_backfill_solo";

@@ -17,6 +17,7 @@ pub mod rows;
 pub mod verify;
 
 use crate::sources::postgres::inspect::error_text;
+use crate::sources::postgres::share_lock;
 
 /// What failed in a migration step.
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +31,10 @@ pub enum MigrationError {
         message: String,
         /// Whether trying again may succeed (connection lost, serialization failure).
         transient: bool,
+        /// Whether the statement gave way to another transaction's lock (see
+        /// [`share_lock`](crate::sources::postgres::share_lock)): it rolled back and may be
+        /// run again at once.
+        gave_way: bool,
     },
     /// The migration cannot go on as asked (a phase out of order, a table that does not fit).
     #[error("{0}")]
@@ -37,6 +42,11 @@ pub enum MigrationError {
 }
 
 impl MigrationError {
+    /// Whether the statement gave way to another transaction's lock.
+    pub fn gave_way(&self) -> bool {
+        matches!(self, MigrationError::Database { gave_way: true, .. })
+    }
+
     /// Whether trying again may succeed.
     pub fn is_transient(&self) -> bool {
         matches!(
@@ -61,6 +71,7 @@ pub fn db(what: impl Into<String>) -> impl FnOnce(tokio_postgres::Error) -> Migr
             what,
             message: error_text(&e),
             transient,
+            gave_way: share_lock::gave_way(&e),
         }
     }
 }

@@ -619,8 +619,13 @@ pub mod pg {
 
     impl Session {
         pub fn open(label: &str) -> Self {
+            Self::open_at(&url(), label)
+        }
+
+        /// A session on the database at `url`.
+        pub fn open_at(url: &str, label: &str) -> Self {
             let mut child = Command::new("psql")
-                .args([&url(), "-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1"])
+                .args([url, "-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1"])
                 .env("PGAPPNAME", format!("refract_test_{label}"))
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
@@ -713,6 +718,66 @@ pub mod pg {
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
+    }
+
+    /// Runs `reader`, a command that reads `table` in key order in share-locked chunks, while
+    /// two application transactions lock rows of it in another order, and returns its output.
+    /// `low < mid < high` are key literals of rows in the reader's first chunk, `set` the
+    /// assignment the applications make.
+    ///
+    /// B locks `mid` and A `high`; the reader, holding `low`, waits for `mid`; A asks for `low`
+    /// and waits for the reader; B commits; the reader goes on to `high` and waits for A. That
+    /// is a deadlock in which A waited first, so PostgreSQL cancels A, unless the reader gives
+    /// way before A's deadlock check. A failed statement of A ends its psql and this panics.
+    pub fn applications_lock_against_a_reader(
+        url: &str,
+        table: &str,
+        key: &str,
+        set: &str,
+        [low, mid, high]: [&str; 3],
+        mut reader: Command,
+    ) -> Output {
+        let update = |k: &str| format!("UPDATE {table} SET {set} WHERE {key} = {k};");
+        let mut b = Session::open_at(url, "give_way_b");
+        let database = b.run("SELECT current_database();").trim().to_owned();
+        b.run(&format!("BEGIN; {}", update(mid)));
+        let mut a = Session::open_at(url, "give_way_a");
+        a.run(&format!("BEGIN; {}", update(high)));
+        let child = reader
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the reader starts");
+        let reader = std::thread::spawn(move || wait_guarded(child, "the share-locking reader"));
+        let waiting = |pid: &str| {
+            psql(&format!(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND {pid}"
+            )) != "0"
+        };
+        let the_reader = format!(
+            "datname = '{database}' AND pid NOT IN ({}, {}) AND query ILIKE '%FOR SHARE%' \
+             AND query LIKE '%{table}%'",
+            a.pid, b.pid
+        );
+        let deadline = Instant::now() + hang_guard();
+        while !waiting(&the_reader) {
+            assert!(
+                Instant::now() < deadline,
+                "the reader never waited for B's row"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        a.send(&update(low));
+        // Aims the scenario: A queues behind the reader before B lets the reader go on. A
+        // reader that gives way may have let A through already, so this waits a second at most.
+        let aim = Instant::now() + Duration::from_secs(1);
+        while Instant::now() < aim && !waiting(&format!("pid = {}", a.pid)) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        b.run("COMMIT;");
+        a.wait();
+        a.run("COMMIT;");
+        reader.join().expect("the reader's thread")
     }
 
     impl Drop for Session {

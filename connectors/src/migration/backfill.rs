@@ -12,6 +12,9 @@
 //!   the chunk's rows are in place;
 //! - a row inserted after the chunk passed its key is the dual write's alone.
 //!
+//! The read gives way to the applications' writers ([`share_lock`]): an application that locks
+//! rows in another order is never made a deadlock victim by the backfill.
+//!
 //! So once the dual write has passed the end of the backfill, the target holds every row the
 //! source holds. The control row's `backfill_after` is the resume point: a killed backfill
 //! starts again after the last committed chunk, and a chunk written twice is harmless.
@@ -27,6 +30,7 @@ use super::catalog::Table;
 use super::control::{Control, Phase};
 use super::rows::{Reader, Writer};
 use super::{MigrationError, db};
+use crate::sources::postgres::share_lock::{self, Patience};
 
 /// What a backfill copies, and how fast.
 pub struct BackfillPlan<'a> {
@@ -211,20 +215,42 @@ struct Chunk {
 }
 
 /// Begins a transaction on `client` and reads the next chunk after `after`, share-locked;
-/// `None` (and no transaction) when no row is left.
+/// `None` (and no transaction) when no row is left. The read gives way to the applications'
+/// writers ([`share_lock`]): rolled back and tried again when its rows stay locked.
 async fn read_chunk(
     client: &Client,
     reader: &Reader,
     plan: &BackfillPlan<'_>,
     after: Option<&[Value]>,
 ) -> Result<Option<Chunk>, MigrationError> {
+    let mut patience = Patience::default();
+    let rows = loop {
+        client
+            .batch_execute(&format!("BEGIN; {}", share_lock::set_lock_timeout(true)))
+            .await
+            .map_err(db("cannot begin a backfill chunk"))?;
+        match reader
+            .read(client, after, None, Some(plan.batch_rows.into()), true)
+            .await
+        {
+            Ok(rows) => break rows,
+            Err(e) if e.gave_way() => {
+                client
+                    .batch_execute("ROLLBACK")
+                    .await
+                    .map_err(db("cannot roll back a backfill chunk"))?;
+                if !patience.pause("a backfill chunk").await {
+                    return Err(e);
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    // The chunk's writes wait for locks as long as the session says.
     client
-        .batch_execute("BEGIN")
+        .batch_execute("SET LOCAL lock_timeout = DEFAULT")
         .await
-        .map_err(db("cannot begin a backfill chunk"))?;
-    let rows = reader
-        .read(client, after, None, Some(plan.batch_rows.into()), true)
-        .await?;
+        .map_err(db("cannot read a backfill chunk"))?;
     let Some(last) = rows.last() else {
         client
             .batch_execute("ROLLBACK")

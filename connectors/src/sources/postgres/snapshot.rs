@@ -14,7 +14,9 @@
 //! No row comes back after its delete and no old value overwrites a newer one, while the daemon
 //! streams (chunks finish an initial snapshot that was interrupted; backfills read an exported
 //! snapshot, see [`CopySnapshot`] and [`BackfillRequest`]). There is no long transaction: each
-//! chunk holds its locks for one statement. Progress (the last key of the last committed chunk per table) is kept in a small
+//! chunk holds its locks for one statement, and gives way to the applications' writers when
+//! they lock rows in another order ([`share_lock`](super::share_lock)): it never makes one of
+//! their transactions a deadlock victim. Progress (the last key of the last committed chunk per table) is kept in a small
 //! JSON file in the pipeline's state directory, replaced atomically after every chunk, so an
 //! interrupted snapshot resumes at its last chunk; a chunk emitted twice is harmless (its rows
 //! are upserts at its position in the stream).
@@ -22,11 +24,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use super::inspect::error_text;
+use super::share_lock::{self, Patience};
 use super::source::{io, quote_ident};
 use crate::SourceError;
 
@@ -156,7 +158,10 @@ impl Chunker {
     ) -> Result<Self, SourceError> {
         let client = super::source::connect(url).await?;
         client
-            .batch_execute("SET lock_timeout = '10s'; SET DateStyle = 'ISO'")
+            .batch_execute(&format!(
+                "{}; SET DateStyle = 'ISO'",
+                share_lock::set_lock_timeout(false)
+            ))
             .await
             .map_err(io("cannot configure the snapshot session"))?;
         let scope = resolve_scope(&client, publication, scope).await?;
@@ -327,7 +332,7 @@ impl Chunker {
         tracing::info!(%table, "reading the table in chunks of {} rows", self.chunk_rows);
         loop {
             let after = self.state.tables[index].after.clone();
-            let mut attempt = 0u32;
+            let mut patience = Patience::default();
             let row = loop {
                 let result = match &after {
                     None => {
@@ -347,19 +352,13 @@ impl Chunker {
                 match result {
                     Ok(row) => break row,
                     Err(e)
-                        if attempt < 30
-                            && e.code()
-                                == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
-                    {
-                        attempt += 1;
-                        tracing::warn!(%table, attempt, "rows of the chunk are locked by another transaction: retrying");
-                        tokio::time::sleep(Duration::from_millis(200 * u64::from(attempt.min(10))))
-                            .await;
-                    }
+                        if share_lock::gave_way(&e)
+                            && patience.pause(&format!("a chunk of `{table}`")).await => {}
                     Err(e) => {
                         return Err(SourceError::Io {
                             message: format!(
-                                "cannot read a chunk of `{table}`: {}",
+                                "cannot read a chunk of `{table}` (it gave way to locks {} times): {}",
+                                patience.attempts(),
                                 error_text(&e)
                             ),
                             source: None,
