@@ -392,12 +392,23 @@ pub fn model(events: &[(&str, Beat)], clock: i64) -> [BTreeSet<String>; 3] {
 pub struct PrivatePostgres {
     pub port: u16,
     dir: PathBuf,
+    /// Server settings beyond the port and address (`-c name=value …`).
+    settings: String,
 }
 
 impl PrivatePostgres {
     const BIN: &'static str = "/usr/lib/postgresql/15/bin";
 
     pub fn start() -> Self {
+        Self::start_with("")
+    }
+
+    /// A server in logical-replication mode, for a PostgreSQL source of its own.
+    pub fn start_logical() -> Self {
+        Self::start_with("-c wal_level=logical")
+    }
+
+    fn start_with(settings: &str) -> Self {
         let port = super::cache::free_port();
         let dir = std::env::temp_dir().join(format!("refract-pg-{port}"));
         let _ = std::fs::remove_dir_all(&dir);
@@ -412,7 +423,11 @@ impl PrivatePostgres {
             &[&initdb, "-D", &data, "--auth=trust", "--username=postgres"],
             false,
         );
-        let pg = PrivatePostgres { port, dir };
+        let pg = PrivatePostgres {
+            port,
+            dir,
+            settings: settings.to_owned(),
+        };
         pg.pg_ctl(&["start", "-w"]);
         pg
     }
@@ -421,9 +436,10 @@ impl PrivatePostgres {
         let data = self.dir.join("data").display().to_string();
         let log = self.dir.join("log").display().to_string();
         let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1",
+            "-p {} -k {} -c listen_addresses=127.0.0.1 {}",
             self.port,
-            self.dir.display()
+            self.dir.display(),
+            self.settings
         );
         let program = format!("{}/pg_ctl", Self::BIN);
         let mut all = vec![program.as_str(), "-D", &data, "-l", &log, "-o", &options];

@@ -377,7 +377,7 @@ impl Reader {
     ) -> Result<bool, SourceError> {
         let Offset(lsn, seq) = durable_at;
         replication.update_applied_lsn(Lsn::from_u64(if seq == u64::MAX { lsn + 1 } else { lsn }));
-        let in_flight_free = nothing_in_flight(durable_at, self.tx.is_some(), self.last_sent);
+        let mut in_flight_free = nothing_in_flight(durable_at, self.tx.is_some(), self.last_sent);
         self.resumed_from = Some(durable_at);
         // Reads whose every row is durable are complete.
         let mut backfilled = false;
@@ -385,6 +385,11 @@ impl Reader {
             if durable_at >= *end {
                 snapshot::resume_copy_kind(*kind, &self.state_dir, Some(durable_at))?;
                 backfilled |= *kind == snapshot::CopyKind::Backfill;
+                // The read's last row was the last thing handed out: with it durable, nothing
+                // is in flight, so an idle stream lets the slot follow the server (or the slot
+                // would stay at the snapshot until the next change of a published table).
+                in_flight_free |=
+                    Some(*end) == self.last_sent && self.tx.is_none() && self.copy.is_none();
             }
         }
         self.copy_ends.retain(|(end, _)| durable_at < *end);
