@@ -88,7 +88,10 @@ fn poll_status(
 ) -> (Option<(u16, String)>, bool) {
     loop {
         let answer = try_http_get(status, path);
-        if answer.as_ref().is_some_and(|(code, body)| done(*code, body)) {
+        if answer
+            .as_ref()
+            .is_some_and(|(code, body)| done(*code, body))
+        {
             return (answer, true);
         }
         if Instant::now() >= deadline {
@@ -132,7 +135,11 @@ fn a_network_black_hole_is_noticed_and_the_stream_resumes_without_loss() {
         .values()
         .any(|d| d["name"].as_str().is_some_and(|n| n.starts_with("load ")))
     {
-        assert!(Instant::now() < deadline, "the load never reached the read model\n{}", daemon_log());
+        assert!(
+            Instant::now() < deadline,
+            "the load never reached the read model\n{}",
+            daemon_log()
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
 
@@ -141,7 +148,9 @@ fn a_network_black_hole_is_noticed_and_the_stream_resumes_without_loss() {
     proxy.black_hole();
     let started = Instant::now();
     let (answer, noticed) = poll_status(&status, "/health", started + hole(), |code, body| {
-        code == 503 && body.contains(&format!("pg:refract_{name}")) && body.contains("\"reconnecting\"")
+        code == 503
+            && body.contains(&format!("pg:refract_{name}"))
+            && body.contains("\"reconnecting\"")
     });
     let noticed_after = started.elapsed();
     assert!(
@@ -171,9 +180,10 @@ fn a_network_black_hole_is_noticed_and_the_stream_resumes_without_loss() {
         );
         std::thread::sleep(Duration::from_millis(500));
     }
-    let (answer, healthy) = poll_status(&status, "/health", Instant::now() + hang_guard(), |c, _| {
-        c == 200
-    });
+    let (answer, healthy) =
+        poll_status(&status, "/health", Instant::now() + hang_guard(), |c, _| {
+            c == 200
+        });
     assert!(healthy, "healthy again: {answer:?}");
     daemon.terminate();
     let exit = daemon.child().wait().unwrap();
@@ -181,7 +191,10 @@ fn a_network_black_hole_is_noticed_and_the_stream_resumes_without_loss() {
     assert!(exit.success(), "{text}");
     assert!(text.contains("silent past its read deadline"), "{text}");
     assert!(text.contains("the control connection"), "{text}");
-    assert!(proxy.connections() > connections_before, "reconnected through the proxy");
+    assert!(
+        proxy.connections() > connections_before,
+        "reconnected through the proxy"
+    );
     assert_read_model(&expected, &out, "after the black hole");
     eprintln!(
         "black hole of {} s under 200 tx/s: noticed (503, source reconnecting) after {:.1} s; {} rows equal after it",

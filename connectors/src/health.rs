@@ -161,11 +161,7 @@ fn begin_or_go_on(trouble: &mut Option<Trouble>, error: &str) {
 }
 
 fn describe(what: &str, trouble: &Trouble, lasted: Duration) -> String {
-    format!(
-        "{what} for {} ms: {}",
-        millis(lasted),
-        trouble.error
-    )
+    format!("{what} for {} ms: {}", millis(lasted), trouble.error)
 }
 
 fn millis(d: Duration) -> u64 {
@@ -191,7 +187,10 @@ mod tests {
         let late = health.report_at(Instant::now() + Duration::from_secs(31));
         assert!(!late.healthy);
         let problem = late.problem.unwrap_or_default();
-        assert!(problem.contains("reconnecting") && problem.contains("timed out"), "{problem}");
+        assert!(
+            problem.contains("reconnecting") && problem.contains("timed out"),
+            "{problem}"
+        );
 
         health.connected();
         let back = health.report_at(Instant::now() + Duration::from_secs(31));

@@ -123,10 +123,8 @@ impl PostgresSource {
         let slot = config.slot_name(&context.pipeline);
         let publication = config.publication_name(&context.pipeline);
         let partition: Arc<str> = format!("pg:{slot}").into();
-        let health = SourceHealth::new(
-            &partition,
-            Duration::from_millis(config.unhealthy_after_ms),
-        );
+        let health =
+            SourceHealth::new(&partition, Duration::from_millis(config.unhealthy_after_ms));
         Self {
             config,
             context,
@@ -190,16 +188,17 @@ pub(crate) async fn connect(url: &str) -> Result<tokio_postgres::Client, SourceE
         pg.keepalives_retries(KEEPALIVE_RETRIES);
     }
     // The connect timeout bounds the TCP handshake only: the whole opening is bounded too.
-    let (client, connection) = tokio::time::timeout(CONNECT_TIMEOUT, pg.connect(tokio_postgres::NoTls))
-        .await
-        .map_err(|_| SourceError::Io {
-            message: format!(
-                "cannot connect to PostgreSQL: no answer within {} s",
-                CONNECT_TIMEOUT.as_secs()
-            ),
-            source: None,
-        })?
-        .map_err(io("cannot connect to PostgreSQL"))?;
+    let (client, connection) =
+        tokio::time::timeout(CONNECT_TIMEOUT, pg.connect(tokio_postgres::NoTls))
+            .await
+            .map_err(|_| SourceError::Io {
+                message: format!(
+                    "cannot connect to PostgreSQL: no answer within {} s",
+                    CONNECT_TIMEOUT.as_secs()
+                ),
+                source: None,
+            })?
+            .map_err(io("cannot connect to PostgreSQL"))?;
     tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::warn!(error = %e, "a PostgreSQL connection failed");

@@ -55,12 +55,14 @@ impl Reader {
         check: impl std::future::Future<Output = Result<T, String>>,
     ) -> Result<T, String> {
         let bound = Liveness::control_timeout(self.read_timeout);
-        tokio::time::timeout(bound, check).await.unwrap_or_else(|_| {
-            Err(format!(
-                "no answer on the control connection within {} ms",
-                bound.as_millis()
-            ))
-        })
+        tokio::time::timeout(bound, check)
+            .await
+            .unwrap_or_else(|_| {
+                Err(format!(
+                    "no answer on the control connection within {} ms",
+                    bound.as_millis()
+                ))
+            })
     }
 
     /// A check on the control connection failed: logs it, records it for `/health`, and
