@@ -4,26 +4,16 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::pg::{drop_slot, pgbench, psql, url as pg_url};
+use common::pg::{drop_slot, psql, url as pg_url};
+use common::pg_table::*;
 use common::*;
 use serde_json::Value;
-
-/// A fresh table `name` (id, name, qty, price numeric, note text), with its slot and publication
-/// removed from earlier runs.
-fn fresh_table(name: &str) {
-    drop_slot(name);
-    psql(&format!(
-        "DROP TABLE IF EXISTS public.{name};
-         CREATE TABLE public.{name} (id int PRIMARY KEY, name text NOT NULL, qty int, price numeric(20,2), note text);"
-    ));
-}
 
 /// A fresh table `name`, a pipeline replicating it into `{dir}/out`, and a first run that creates
 /// the slot (changes from then on are streamed). Returns (dir, out, pipeline).
@@ -77,17 +67,6 @@ url = "file://{out}"
     let path = dir.join("pipeline.toml");
     std::fs::write(&path, text).unwrap();
     path
-}
-
-/// The table as the read model must hold it: key → document.
-fn table_state(name: &str) -> BTreeMap<(String, String), Value> {
-    let json = psql(&format!(
-        "SELECT coalesce(json_agg(json_build_object('id', id, 'name', name, 'qty', qty, 'price', price::text, 'note', note)), '[]') FROM public.{name}"
-    ));
-    let rows: Vec<Value> = serde_json::from_str(&json).unwrap();
-    rows.into_iter()
-        .map(|r| ((name.to_owned(), r["id"].to_string()), r))
-        .collect()
 }
 
 fn catch_up(pipeline: &Path) {
@@ -333,27 +312,6 @@ fn size(ci: u64, full: u64) -> u64 {
     }
 }
 
-/// A fresh table of `rows` rows (no note).
-fn filled_table(name: &str, rows: u64) {
-    fresh_table(name);
-    psql(&format!(
-        "INSERT INTO {name} SELECT g, 'row ' || g, g % 13, g * 0.25, NULL FROM generate_series(1, {rows}) g"
-    ));
-}
-
-/// Stops a load from [`update_delete_load`]; returns whether it was still running.
-fn stop_load(load: Running) -> bool {
-    let mut load = load.into_child();
-    let running = load.try_wait().unwrap().is_none();
-    if running {
-        load.kill().unwrap();
-        load.wait().unwrap();
-    } else {
-        assert!(load.wait().unwrap().success(), "pgbench failed");
-    }
-    running
-}
-
 /// After a backfill under [`update_delete_load`]: catches up, and the read model equals the table.
 fn assert_backfilled_under_load(
     name: &str,
@@ -377,39 +335,6 @@ fn assert_backfilled_under_load(
         took.as_secs_f64(),
         expected.len()
     );
-}
-
-/// A writer of random updates and deletes at `rate` transactions/s (two statements each), for
-/// `seconds`, through pgbench (killed if the test fails before [`stop_load`]).
-fn update_delete_load(name: &str, rows: u64, rate: u32, seconds: u32) -> Running {
-    let script = std::env::temp_dir().join(format!("refract_{name}_load.sql"));
-    std::fs::write(
-        &script,
-        format!(
-            "\\set u random(1, {rows})\n\\set d random(1, {rows})\n\
-             UPDATE {name} SET qty = coalesce(qty, 0) + 1, name = 'load ' || :u WHERE id = :u;\n\
-             DELETE FROM {name} WHERE id = :d;\n"
-        ),
-    )
-    .unwrap();
-    Command::new(pgbench())
-        .args([
-            "-n",
-            "-c",
-            "2",
-            "-R",
-            &rate.to_string(),
-            "-T",
-            &seconds.to_string(),
-            "-f",
-        ])
-        .arg(&script)
-        .arg(pg_url())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map(Running::adopt)
-        .expect("pgbench starts")
 }
 
 #[test]

@@ -4,6 +4,7 @@
 //! source and sink kind, and the families of write operations each sink accepts ([`intake`]).
 
 pub mod dead_letter;
+pub mod health;
 pub mod intake;
 pub mod migration;
 pub mod registry;
@@ -18,6 +19,7 @@ use refract_schemas::write::WriteOp;
 use refract_schemas::{Checkpoint, Record};
 use tokio::sync::watch;
 
+pub use health::{SourceHealth, SourceReport, SourceState};
 pub use intake::Intake;
 
 /// A batch of write operations for one sink, in source order.
@@ -243,6 +245,17 @@ pub trait Source: Send {
     /// Progress as (bytes or events done, total), when the source knows its size.
     fn progress(&self) -> Option<(u64, u64)> {
         None
+    }
+
+    /// The source's health: a handle the runtime takes once [`Source::start`] returned and reads
+    /// for `/health` while the run lasts. A source that recovers from failures by itself instead
+    /// of returning them (a stream it reconnects, checks it runs beside the stream) must record
+    /// them in it, with [`SourceHealth::reconnecting`] and [`SourceHealth::check_failed`], and
+    /// the recovery with [`SourceHealth::connected`] and [`SourceHealth::check_passed`]:
+    /// otherwise `/health` says 200 while no change arrives. The default never reports a
+    /// trouble, right for sources whose every failure ends [`Source::next_chunk`] with an error.
+    fn health(&self) -> SourceHealth {
+        SourceHealth::default()
     }
 
     /// Takes back the last chunk `next_chunk` returned, once the runtime is done with it. A

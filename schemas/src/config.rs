@@ -226,6 +226,18 @@ pub struct PostgresSourceConfig {
     /// until every slot has confirmed it).
     #[serde(default = "default_max_retained_wal_mb")]
     pub max_retained_wal_mb: u64,
+    /// The replication connection is considered dead when nothing at all arrives on it for this
+    /// long, in milliseconds (1,000 to 3,600,000), and is reopened from the last position handed
+    /// out: a connection cut without a reset (a network black hole, a silent failover) is
+    /// noticed. An idle stream is kept talking by a heartbeat message refract writes at half
+    /// this deadline.
+    #[serde(default = "default_read_timeout_ms")]
+    pub read_timeout_ms: u64,
+    /// The source reports itself unhealthy at `/health` once its replication stream has been
+    /// reconnecting, or its control connection's checks (retained WAL, lost slot, heartbeat)
+    /// have been failing, for this long, in milliseconds (100 to 86,400,000). It keeps trying.
+    #[serde(default = "default_unhealthy_after_ms")]
+    pub unhealthy_after_ms: u64,
 }
 
 /// What the PostgreSQL source reads of the rows that exist when its slot is created.
@@ -245,6 +257,14 @@ fn default_chunk_rows() -> u32 {
 
 fn default_max_retained_wal_mb() -> u64 {
     1_024
+}
+
+/// Default read deadline of a replication connection: long beside the heartbeat written at its
+/// half on an idle stream, short enough that a dead connection is replaced within a minute.
+pub const DEFAULT_PG_READ_TIMEOUT_MS: u64 = 60_000;
+
+fn default_read_timeout_ms() -> u64 {
+    DEFAULT_PG_READ_TIMEOUT_MS
 }
 
 fn default_true() -> bool {

@@ -14,6 +14,8 @@ pub mod db;
 pub mod kafka;
 pub mod migrate;
 pub mod parquet;
+pub mod pg_table;
+pub mod proxy;
 pub mod registry;
 pub mod tiers;
 pub mod tiers_aging;

@@ -53,7 +53,7 @@ pub(crate) enum Target {
 }
 
 impl Target {
-    fn name(&self) -> String {
+    pub(crate) fn name(&self) -> String {
         match self {
             Target::Sink(s) => s.name.clone(),
             Target::DeadLetters(_) => "dead_letter".to_owned(),
@@ -204,6 +204,7 @@ pub(crate) async fn run(
         let _ = acks.send(fail(error, stop));
         return;
     }
+    reporter.health.opened(&name);
     // Batches a buffering sink has written but not yet made durable, with their reports.
     let mut deferred: VecDeque<(u64, WriteReport)> = VecDeque::new();
     let mut open = true;

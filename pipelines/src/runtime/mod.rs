@@ -210,7 +210,7 @@ pub(crate) async fn run_parts(
     ));
     let durable = durable_rx.clone();
     let sink_resume =
-        wiring::start_source(&mut *source, &resumed, options.mode, durable_rx).await?;
+        wiring::start_source(&mut *source, &resumed, options.mode, durable_rx, &health).await?;
     let delivery = wiring::spawn_delivery(
         targets,
         config.pipeline.queue_depth,

@@ -37,7 +37,7 @@ pub(crate) struct Startup {
     pub(super) state: PathBuf,
     /// Its checkpoint store.
     pub(super) store: CheckpointStore,
-    /// Health of the sinks, served at `/health`.
+    /// Health of the source and the sinks, served at `/health` and `/ready`.
     pub(super) health: Arc<status::Health>,
 }
 
@@ -230,8 +230,10 @@ pub(super) async fn start_source(
     resumed: &Checkpoint,
     mode: ReadMode,
     durable: watch::Receiver<Checkpoint>,
+    health: &status::Health,
 ) -> Result<Checkpoint, SourceError> {
     source.start(resumed, mode, durable).await?;
+    health.source_started(source.health());
     let mut sink_resume = resumed.clone();
     for (partition, offset) in source.resumes_unnamed() {
         sink_resume.entry(partition).or_insert(offset);
@@ -258,13 +260,11 @@ pub(super) fn spawn_delivery(
     let (ack_tx, ack_rx) = mpsc::unbounded_channel();
     let mut job_txs = Vec::with_capacity(targets.len());
     let mut tasks = Vec::with_capacity(targets.len());
+    health.expect_open(targets.iter().map(delivery::Target::name));
     for (index, target) in targets.into_iter().enumerate() {
         let (tx, rx) = mpsc::channel(queue_depth);
         job_txs.push(tx);
-        let name = match &target {
-            Target::Sink(sink) => sink.name.clone(),
-            Target::DeadLetters(_) => "dead_letter".to_owned(),
-        };
+        let name = target.name();
         let task = tokio::spawn(delivery::run(
             index,
             target,

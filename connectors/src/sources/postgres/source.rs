@@ -41,10 +41,13 @@ use super::metrics::SlotMetrics;
 use super::pgoutput::{self, Datum, Message, OldKind, Relation, Tuple};
 use super::snapshot::{self, ChunkMessage, ChunkProgress, Chunker, CopySnapshot};
 use super::values::text_to_json;
-use crate::{ReadMode, Source, SourceContext, SourceError, SourceItem};
+use crate::{ReadMode, Source, SourceContext, SourceError, SourceHealth, SourceItem};
 use events::RowShape;
+use liveness::Liveness;
 
+mod control;
 mod events;
+mod liveness;
 mod reader;
 
 /// The connector name in every event's source block.
@@ -71,6 +74,24 @@ const FINAL_CONFIRM_WAIT: Duration = Duration::from_secs(5);
 const FINAL_CONFIRM_POLL: Duration = Duration::from_millis(10);
 /// Longest wait between two reconnection attempts.
 const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(30);
+/// Longest wait for an ordinary connection to open: a server that does not answer (a black
+/// hole) is tried again rather than waited for.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// TCP keepalive on ordinary connections: probes after this much silence, so a peer that is gone
+/// is noticed by the kernel even on an idle connection (and idle-connection timeouts of
+/// firewalls and NAT are not reached).
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+/// Time between unanswered keepalive probes.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// Unanswered probes before the kernel drops the connection: a dead peer is noticed within a
+/// minute of silence.
+const KEEPALIVE_RETRIES: u32 = 3;
+/// Longest time sent data may stay unacknowledged before the kernel drops the connection
+/// (`TCP_USER_TIMEOUT`): keepalive probes do not go out while data waits, this bound does.
+const TCP_USER_TIMEOUT: Duration = Duration::from_secs(60);
+/// Longest wait for a catalog look-up on the control connection while decoding (a relation's
+/// key, a TOAST re-read): a look-up that hangs ends the stream, which is reopened.
+const CATALOG_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The PostgreSQL source.
 pub struct PostgresSource {
@@ -92,6 +113,8 @@ pub struct PostgresSource {
     received: u64,
     /// The number of the chunk that ends a snapshot or backfill read (see [`Reader::ends_at`]).
     ends_at: Arc<AtomicU64>,
+    /// What `/health` says of the stream and the control connection.
+    health: SourceHealth,
 }
 
 impl PostgresSource {
@@ -99,7 +122,9 @@ impl PostgresSource {
     pub fn new(config: PostgresSourceConfig, context: SourceContext) -> Self {
         let slot = config.slot_name(&context.pipeline);
         let publication = config.publication_name(&context.pipeline);
-        let partition = format!("pg:{slot}").into();
+        let partition: Arc<str> = format!("pg:{slot}").into();
+        let health =
+            SourceHealth::new(&partition, Duration::from_millis(config.unhealthy_after_ms));
         Self {
             config,
             context,
@@ -113,6 +138,7 @@ impl PostgresSource {
             resumes_unnamed: Checkpoint::new(),
             received: 0,
             ends_at: Arc::new(AtomicU64::new(0)),
+            health,
         }
     }
 
@@ -139,19 +165,43 @@ pub(crate) fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
-/// An ordinary (non-replication) connection, its connection task spawned.
+/// An ordinary (non-replication) connection, its connection task spawned: opened within
+/// [`CONNECT_TIMEOUT`], with TCP keepalive and `TCP_USER_TIMEOUT` so that a peer gone silent is
+/// noticed by the kernel (the URL's `connect_timeout`, `tcp_user_timeout`, `keepalives_interval`
+/// and `keepalives_retries` win).
 pub(crate) async fn connect(url: &str) -> Result<tokio_postgres::Client, SourceError> {
-    let pg: tokio_postgres::Config = url.parse().map_err(|e| SourceError::Io {
+    let mut pg: tokio_postgres::Config = url.parse().map_err(|e| SourceError::Io {
         message: format!("invalid PostgreSQL URL: {e}"),
         source: None,
     })?;
-    let (client, connection) = pg
-        .connect(tokio_postgres::NoTls)
-        .await
-        .map_err(io("cannot connect to PostgreSQL"))?;
+    if pg.get_connect_timeout().is_none() {
+        pg.connect_timeout(CONNECT_TIMEOUT);
+    }
+    if pg.get_tcp_user_timeout().is_none() {
+        pg.tcp_user_timeout(TCP_USER_TIMEOUT);
+    }
+    pg.keepalives(true).keepalives_idle(KEEPALIVE_IDLE);
+    if pg.get_keepalives_interval().is_none() {
+        pg.keepalives_interval(KEEPALIVE_INTERVAL);
+    }
+    if pg.get_keepalives_retries().is_none() {
+        pg.keepalives_retries(KEEPALIVE_RETRIES);
+    }
+    // The connect timeout bounds the TCP handshake only: the whole opening is bounded too.
+    let (client, connection) =
+        tokio::time::timeout(CONNECT_TIMEOUT, pg.connect(tokio_postgres::NoTls))
+            .await
+            .map_err(|_| SourceError::Io {
+                message: format!(
+                    "cannot connect to PostgreSQL: no answer within {} s",
+                    CONNECT_TIMEOUT.as_secs()
+                ),
+                source: None,
+            })?
+            .map_err(io("cannot connect to PostgreSQL"))?;
     tokio::spawn(async move {
         if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "control connection ended");
+            tracing::warn!(error = %e, "a PostgreSQL connection failed");
         }
     });
     Ok(client)
@@ -230,6 +280,9 @@ impl Source for PostgresSource {
             copy,
             copy_ends: Vec::new(),
             state_dir: self.context.state_dir.clone(),
+            health: self.health.clone(),
+            read_timeout: Duration::from_millis(self.config.read_timeout_ms),
+            heard: 0,
         };
         let stop = self.stop.subscribe();
         self.reader = Some(tokio::spawn(reader.run(replication, tx, durable, stop)));
@@ -269,6 +322,10 @@ impl Source for PostgresSource {
 
     fn ends_batch(&self) -> bool {
         self.received == self.ends_at.load(Ordering::Acquire)
+    }
+
+    fn health(&self) -> SourceHealth {
+        self.health.clone()
     }
 
     fn progress(&self) -> Option<(u64, u64)> {
@@ -808,6 +865,12 @@ struct Reader {
     copy_ends: Vec<(Offset, snapshot::CopyKind)>,
     /// The pipeline's state directory (snapshot progress).
     state_dir: PathBuf,
+    /// Where the stream's and the control connection's troubles are recorded for `/health`.
+    health: SourceHealth,
+    /// The replication connection's read deadline (see [`liveness`]).
+    read_timeout: Duration,
+    /// Events received from the replication connection (see [`Liveness`]).
+    heard: u64,
 }
 
 type Chunks = mpsc::Sender<Result<Vec<SourceItem>, SourceError>>;

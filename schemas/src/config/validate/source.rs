@@ -77,6 +77,18 @@ fn postgres(problem: &mut impl FnMut(&str, String), pg: &PostgresSourceConfig) {
             format!("{} is outside 100 to 100,000", pg.chunk_rows),
         );
     }
+    if !(1_000..=3_600_000).contains(&pg.read_timeout_ms) {
+        problem(
+            "source.read_timeout_ms",
+            format!("{} is outside 1,000 to 3,600,000", pg.read_timeout_ms),
+        );
+    }
+    if !(100..=86_400_000).contains(&pg.unhealthy_after_ms) {
+        problem(
+            "source.unhealthy_after_ms",
+            format!("{} is outside 100 to 86,400,000", pg.unhealthy_after_ms),
+        );
+    }
 }
 
 /// `kind = "kafka"`: brokers and topics given, a group name Kafka accepts, a registry for Avro,

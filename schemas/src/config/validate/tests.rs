@@ -253,6 +253,18 @@ fn each_rule_names_its_field() {
             "source.chunk_rows",
             "99 is outside 100 to 100,000",
         ),
+        (
+            "read_timeout_ms",
+            pg("read_timeout_ms = 999"),
+            "source.read_timeout_ms",
+            "999 is outside 1,000 to 3,600,000",
+        ),
+        (
+            "source unhealthy_after_ms",
+            pg("unhealthy_after_ms = 99"),
+            "source.unhealthy_after_ms",
+            "99 is outside 100 to 86,400,000",
+        ),
         // Each projection's list of sinks.
         (
             "a projection without sinks",

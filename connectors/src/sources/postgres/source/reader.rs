@@ -1,5 +1,6 @@
-//! The stream's life: reading the replication stream, reconnecting with backoff, checking the
-//! slot, confirming the final position.
+//! The stream's life: reading the replication stream, reconnecting with backoff (and when the
+//! stream stays silent past its read deadline), checking the slot and keeping an idle stream
+//! talking on the control connection, confirming the final position.
 
 use super::*;
 
@@ -50,10 +51,13 @@ impl Reader {
             let ended = self
                 .stream(&mut replication, &out, &mut durable, &mut stop)
                 .await;
-            if !matches!(ended, Ok(Ended::Done)) {
-                replication.stop();
+            match &ended {
+                Ok(Ended::Done) => {}
+                // A connection that is gone (or silent) owes no goodbye.
+                Ok(Ended::Lost(_)) => replication.abort(),
+                Err(_) => replication.stop(),
             }
-            let reason = match ended {
+            let mut reason = match ended {
                 Ok(Ended::Done) => {
                     // Let the runtime finish (it writes the final checkpoint), then confirm
                     // that checkpoint to the slot before the stream closes.
@@ -65,6 +69,7 @@ impl Reader {
                 Err(e) => break Err(e),
                 Ok(Ended::Lost(reason)) => reason,
             };
+            self.health.reconnecting(&reason);
             // Reconnect with exponential backoff (reset after a connection that lasted), and
             // resume right after the last change handed out: the server resends from the
             // slot's confirmed position, which is never past it.
@@ -91,7 +96,10 @@ impl Reader {
                         let _ = out.send(Err(e)).await;
                         return;
                     }
-                    Err(e) => tracing::debug!(error = %e, "reconnection failed"),
+                    Err(e) => {
+                        reason = e.to_string();
+                        self.health.reconnecting(&reason);
+                    }
                 }
             };
             match next {
@@ -177,7 +185,16 @@ impl Reader {
             )
             .await?;
             // A message past the consistent point, so an idle stream reaches it at once.
-            emit_message(&self.catalog, &self.request_prefix, "").await?;
+            self.bounded(async {
+                emit_message(&self.catalog, &self.request_prefix, "")
+                    .await
+                    .map_err(|e| e.to_string())
+            })
+            .await
+            .map_err(|message| SourceError::Io {
+                message,
+                source: None,
+            })?;
             Ok::<_, SourceError>(copy)
         }
         .await;
@@ -250,16 +267,16 @@ impl Reader {
         replication.update_applied_lsn(Lsn::from_u64(target));
         // The worker sends it at its next status tick (at most `STATUS_INTERVAL`).
         while tokio::time::Instant::now() < deadline {
-            let confirmed = self
-                .catalog
-                .query_opt(
-                    "SELECT (confirmed_flush_lsn >= $2::text::pg_lsn) FROM pg_replication_slots WHERE slot_name = $1",
-                    &[&self.slot, &Lsn::from_u64(target).to_string()],
-                )
-                .await;
-            match confirmed {
-                Ok(Some(row)) if row.get::<_, Option<bool>>(0) == Some(true) => return,
-                Ok(Some(_)) => tokio::time::sleep(FINAL_CONFIRM_POLL).await,
+            let target_text = Lsn::from_u64(target).to_string();
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] =
+                [&self.slot, &target_text];
+            let confirmed = self.catalog.query_opt(
+                "SELECT (confirmed_flush_lsn >= $2::text::pg_lsn) FROM pg_replication_slots WHERE slot_name = $1",
+                &params,
+            );
+            match tokio::time::timeout_at(deadline, confirmed).await {
+                Ok(Ok(Some(row))) if row.get::<_, Option<bool>>(0) == Some(true) => return,
+                Ok(Ok(Some(_))) => tokio::time::sleep(FINAL_CONFIRM_POLL).await,
                 _ => return,
             }
         }
@@ -296,6 +313,9 @@ impl Reader {
         // resuming inside a transaction: its rest is still to come.
         let mut in_flight_free = self.skip_through.is_none() && self.last_sent.is_none();
         let mut slot_check = tokio::time::interval(SLOT_CHECK_INTERVAL);
+        let mut liveness = Liveness::new(self.read_timeout, self.heard, Instant::now());
+        let mut deadline = tokio::time::interval(Liveness::tick_period(self.read_timeout));
+        deadline.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let event = tokio::select! {
                 () = async { let _ = stop.wait_for(|s| *s).await; } => {
@@ -311,6 +331,8 @@ impl Reader {
                     if let Some(durable_at) = durable_at {
                         in_flight_free = self.durable_advanced(replication, durable_at).await?;
                     }
+                    // Taking a backfill may have kept the stream unread a while.
+                    liveness.busy_until(Instant::now());
                     continue;
                 }
                 at = async {
@@ -326,12 +348,19 @@ impl Reader {
                     self.check_slot().await?;
                     continue;
                 }
+                _ = deadline.tick() => {
+                    match self.deadline_tick(&mut liveness).await {
+                        Some(ended) => return Ok(ended),
+                        None => continue,
+                    }
+                }
                 event = replication.recv() => event,
             };
             let event = match event {
                 Ok(event) => event,
                 Err(e) => return Ok(Ended::Lost(e.to_string())),
             };
+            self.heard = self.heard.wrapping_add(1);
             let Some(event) = event else {
                 self.flush(out).await?;
                 return Ok(Ended::Done);
@@ -349,10 +378,7 @@ impl Reader {
             // gone too).
             let ended = match event {
                 ReplicationEvent::XLogData { data, .. } if self.data_now(&data) => None,
-                ReplicationEvent::XLogData { data, .. } => {
-                    let decoded = self.data(data).await;
-                    decoded.err().map(|e| Ended::Lost(e.to_string()))
-                }
+                ReplicationEvent::XLogData { data, .. } => self.data_looked_up(data).await,
                 event => {
                     self.event(event, replication, out, &mut in_flight_free)
                         .await?
@@ -445,10 +471,7 @@ impl Reader {
                 });
                 *in_flight_free = false;
             }
-            ReplicationEvent::XLogData { data, .. } => {
-                let decoded = self.data(data).await;
-                return Ok(decoded.err().map(|e| Ended::Lost(e.to_string())));
-            }
+            ReplicationEvent::XLogData { data, .. } => return Ok(self.data_looked_up(data).await),
             ReplicationEvent::Commit { .. } => self.commit(out, in_flight_free).await?,
             ReplicationEvent::Message {
                 prefix,
@@ -504,21 +527,24 @@ impl Reader {
 
     /// Warns when the slot holds back more WAL than allowed; stops when it was invalidated.
     pub(super) async fn check_slot(&mut self) -> Result<(), SourceError> {
-        let row = match self
-            .catalog
-            .query_opt(
-                "SELECT coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::int8, \
-                        coalesce(wal_status, '') FROM pg_replication_slots WHERE slot_name = $1",
-                &[&self.slot],
-            )
-            .await
-        {
+        let query = self.bounded(async {
+            self.catalog
+                .query_opt(
+                    "SELECT coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::int8, \
+                            coalesce(wal_status, '') FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&self.slot],
+                )
+                .await
+                .map_err(|e| error_text(&e))
+        });
+        let row = match query.await {
             Ok(row) => row,
             Err(e) => {
-                tracing::debug!(error = %e, "cannot check the slot");
+                self.control_failed("cannot check the slot", &e).await;
                 return Ok(());
             }
         };
+        self.health.check_passed();
         let Some(row) = row else {
             return Err(SourceError::Inconsistent(format!(
                 "replication slot `{}` was dropped while the pipeline ran",
