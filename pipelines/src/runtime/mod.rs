@@ -92,6 +92,25 @@ pub enum RunError {
         /// Why.
         reason: String,
     },
+    /// A sink rejected an operation with `on_error = "stop"`: the checkpoint stays before the
+    /// batch that holds it.
+    #[error(
+        "sink `{sink}` cannot hold the operation at {position} (`{table}`, key `{key}`): {reason}; \
+             the checkpoint stays before its batch, so a rerun meets it again. Fix the data or the target, \
+             or set `on_error = \"dead_letter\"` to record it and go on"
+    )]
+    Rejected {
+        /// The sink.
+        sink: String,
+        /// Where the change that produced the operation is.
+        position: Position,
+        /// The sink's collection or table.
+        table: String,
+        /// The operation's key (its start, when long).
+        key: String,
+        /// The sink's reason.
+        reason: String,
+    },
     /// A projection's saved state could not be restored.
     #[error(
         "projection `{projection}`: {reason}; delete the pipeline's state directory to start over"
