@@ -229,10 +229,10 @@ fn key_too_long(key: &str) -> Option<String> {
 fn name_too_long(e: &object_store::Error) -> bool {
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(c) = cause {
-        if let Some(io) = c.downcast_ref::<std::io::Error>() {
-            if io.kind() == std::io::ErrorKind::InvalidFilename {
-                return true;
-            }
+        if let Some(io) = c.downcast_ref::<std::io::Error>()
+            && io.kind() == std::io::ErrorKind::InvalidFilename
+        {
+            return true;
         }
         cause = c.source();
     }

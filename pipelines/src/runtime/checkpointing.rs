@@ -227,13 +227,9 @@ impl Processor {
     ) -> Result<(), RunError> {
         let sink = self.summary.sink_name(target).to_owned();
         if let (OnError::Stop, Some(op)) = (self.on_error, rejected.first()) {
-            return Err(RunError::Rejected {
-                sink,
-                position: op.position.clone(),
-                table: op.table.clone(),
-                key: op.key.chars().take(SHOWN_KEY_CHARS).collect(),
-                reason: op.reason.clone(),
-            });
+            let mut op = Box::new(op.clone());
+            op.key = op.key.chars().take(SHOWN_KEY_CHARS).collect();
+            return Err(RunError::Rejected { sink, op });
         }
         let letters: Vec<DeadLetter> = rejected
             .into_iter()

@@ -95,21 +95,16 @@ pub enum RunError {
     /// A sink rejected an operation with `on_error = "stop"`: the checkpoint stays before the
     /// batch that holds it.
     #[error(
-        "sink `{sink}` cannot hold the operation at {position} (`{table}`, key `{key}`): {reason}; \
+        "sink `{sink}` cannot hold the operation at {} (`{}`, key `{}`): {}; \
              the checkpoint stays before its batch, so a rerun meets it again. Fix the data or the target, \
-             or set `on_error = \"dead_letter\"` to record it and go on"
+             or set `on_error = \"dead_letter\"` to record it and go on",
+        .op.position, .op.table, .op.key, .op.reason
     )]
     Rejected {
         /// The sink.
         sink: String,
-        /// Where the change that produced the operation is.
-        position: Position,
-        /// The sink's collection or table.
-        table: String,
-        /// The operation's key (its start, when long).
-        key: String,
-        /// The sink's reason.
-        reason: String,
+        /// The operation (its key shortened when long), boxed: errors stay small.
+        op: Box<refract_connectors::RejectedOp>,
     },
     /// A projection's saved state could not be restored.
     #[error(
