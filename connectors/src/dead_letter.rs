@@ -7,9 +7,10 @@
 //! when the input is not UTF-8).
 //!
 //! Two backends: a local file (appended, then `fsync`ed before the runtime checkpoints past the
-//! entries; entries a crash left unacknowledged are recognised on restart and not written twice,
-//! and a line torn by a crash is cut off), or an object-store prefix (one object per batch that
-//! had bad input, named by its position range).
+//! entries, its directory synced when the file is created; entries a crash left unacknowledged
+//! are recognised on restart and not written twice, and a line torn by a crash is cut off), or an
+//! object-store prefix (one object per batch that had bad input, named by its position range; on
+//! `file://` the object and its directory are `fsync`ed before the write returns).
 
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
@@ -25,6 +26,7 @@ use refract_schemas::{Checkpoint, Offset, Position};
 use serde::{Deserialize, Serialize};
 
 use crate::SinkError;
+use crate::sinks::local_files::{LocalStore, SyncSet, create_dir_all_durably, sync_path};
 use crate::sinks::object_json::open_store;
 
 /// Where in the pipeline the input was rejected.
@@ -37,6 +39,8 @@ pub enum Stage {
     Projection,
     /// No projection reads the event's table.
     Routing,
+    /// A sink cannot hold the operation the event produced (the rest of its batch was applied).
+    Sink,
 }
 
 /// One rejected input.
@@ -48,9 +52,12 @@ pub struct DeadLetter {
     pub stage: Stage,
     /// Why, in a sentence.
     pub reason: String,
-    /// The table, when the input decoded far enough to name it.
+    /// The table, when the input decoded far enough to name it (stage `sink`: the sink's
+    /// collection or table).
     pub table: Option<String>,
-    /// The raw input.
+    /// The sink that rejected it (stage `sink`).
+    pub sink: Option<String>,
+    /// The raw input (stage `sink`: the rejected operation's key).
     pub raw: Bytes,
 }
 
@@ -60,6 +67,8 @@ struct Entry {
     stage: Stage,
     reason: String,
     table: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    sink: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     raw: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -89,6 +98,7 @@ fn encode(letter: &DeadLetter, now_ms: i64) -> Vec<u8> {
         stage: letter.stage,
         reason: letter.reason.clone(),
         table: letter.table.clone(),
+        sink: letter.sink.clone(),
         raw,
         raw_base64,
         recorded_at_ms: now_ms,
@@ -117,6 +127,8 @@ pub enum DeadLetterStore {
         store: Arc<dyn ObjectStore>,
         /// The prefix inside the store.
         root: ObjectPath,
+        /// On `file://`: what makes the objects durable.
+        local: Option<LocalStore>,
     },
 }
 
@@ -132,10 +144,12 @@ impl DeadLetterStore {
     /// Opens the local file store at `path`, repairing a torn last line and remembering which
     /// positions past `checkpoint` it already holds.
     pub fn open_file(path: PathBuf, checkpoint: &Checkpoint) -> Result<Self, SinkError> {
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+        if let Some(dir) = dir {
+            create_dir_all_durably(dir)
                 .map_err(|e| failed(format!("cannot create {}", dir.display()), e))?;
         }
+        let created = !path.exists();
         let mut file = OpenOptions::new()
             .read(true)
             .append(true)
@@ -147,6 +161,11 @@ impl DeadLetterStore {
                     e,
                 )
             })?;
+        if created {
+            // The new file's entry in its directory must survive a crash like its lines.
+            let dir = dir.unwrap_or(std::path::Path::new("."));
+            sync_path(dir).map_err(|e| failed(format!("cannot sync {}", dir.display()), e))?;
+        }
         let mut recorded = HashSet::new();
         let mut good_len = 0u64;
         let mut reader = BufReader::new(&file);
@@ -194,10 +213,14 @@ impl DeadLetterStore {
             ),
             source: None,
         })?;
+        let local = LocalStore::for_url(url, &root)
+            .transpose()
+            .map_err(|e| failed(format!("cannot map {root} to a directory"), e))?;
         Ok(DeadLetterStore::Object {
             url: url.to_owned(),
             store,
             root,
+            local,
         })
     }
 
@@ -219,59 +242,100 @@ impl DeadLetterStore {
                 path,
                 file,
                 recorded,
+            } => append(path, file, recorded, letters, now_ms),
+            DeadLetterStore::Object {
+                store, root, local, ..
             } => {
-                // Entries recorded before a crash are skipped once; the runtime never hands the
-                // same letter twice within a run, so the set only shrinks.
-                let mut buf = Vec::new();
-                for letter in letters {
-                    let key = (
-                        letter.position.partition.to_string(),
-                        (letter.position.offset.0, letter.position.offset.1),
-                    );
-                    if !recorded.remove(&key) {
-                        buf.extend(encode(letter, now_ms));
-                    }
-                }
-                if buf.is_empty() {
-                    return Ok(());
-                }
-                let before = file
-                    .metadata()
-                    .map_err(|e| failed(format!("cannot stat {}", path.display()), e))?
-                    .len();
-                let appended = file.write_all(&buf).and_then(|()| file.sync_data());
-                if let Err(e) = appended {
-                    // Undo a partial append so that the retry does not record entries twice.
-                    let _ = file.set_len(before);
-                    return Err(failed(format!("cannot append to {}", path.display()), e));
-                }
-                Ok(())
-            }
-            DeadLetterStore::Object { store, root, .. } => {
-                let first = &letters[0].position;
-                let last = &letters[letters.len() - 1].position;
-                let partition: String = first
-                    .partition
-                    .chars()
-                    .map(|c| {
-                        if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                            c
-                        } else {
-                            '_'
-                        }
-                    })
-                    .collect();
-                let name = format!("{}-{}.ndjson", first.offset, last.offset);
-                let path = root.clone().join(partition.as_str()).join(name.as_str());
+                let path = object_name(root, letters);
                 let body: Vec<u8> = letters.iter().flat_map(|l| encode(l, now_ms)).collect();
                 store
                     .put(&path, PutPayload::from(body))
                     .await
                     .map_err(|e| failed(format!("cannot write {path}"), e))?;
-                Ok(())
+                match local {
+                    Some(local) => sync_object(local, &path).await,
+                    None => Ok(()),
+                }
             }
         }
     }
+}
+
+/// Appends `letters` to the local file and syncs it; entries recorded before a crash are skipped
+/// once (the runtime never hands the same letter twice within a run, so the set only shrinks).
+fn append(
+    path: &std::path::Path,
+    file: &mut File,
+    recorded: &mut HashSet<(String, (u64, u64))>,
+    letters: &[DeadLetter],
+    now_ms: i64,
+) -> Result<(), SinkError> {
+    let mut buf = Vec::new();
+    for letter in letters {
+        let key = (
+            letter.position.partition.to_string(),
+            (letter.position.offset.0, letter.position.offset.1),
+        );
+        if !recorded.remove(&key) {
+            buf.extend(encode(letter, now_ms));
+        }
+    }
+    if buf.is_empty() {
+        return Ok(());
+    }
+    let before = file
+        .metadata()
+        .map_err(|e| failed(format!("cannot stat {}", path.display()), e))?
+        .len();
+    let appended = file.write_all(&buf).and_then(|()| file.sync_data());
+    if let Err(e) = appended {
+        // Undo a partial append so that the retry does not record entries twice.
+        let _ = file.set_len(before);
+        return Err(failed(format!("cannot append to {}", path.display()), e));
+    }
+    Ok(())
+}
+
+/// The object of a batch's `letters`: `{partition}/{first}-{last}.ndjson` by position range, with
+/// `-{sink}` before the extension for a sink's rejections (two sinks may reject the same
+/// positions).
+fn object_name(root: &ObjectPath, letters: &[DeadLetter]) -> ObjectPath {
+    let safe = |s: &str| -> String {
+        s.chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect()
+    };
+    let first = &letters[0].position;
+    let last = &letters[letters.len() - 1].position;
+    let sink = letters[0]
+        .sink
+        .as_deref()
+        .map(|s| format!("-{}", safe(s)))
+        .unwrap_or_default();
+    let name = format!("{}-{}{sink}.ndjson", first.offset, last.offset);
+    root.clone()
+        .join(safe(&first.partition).as_str())
+        .join(name.as_str())
+}
+
+/// Makes the object at `path` of a `file://` store durable.
+async fn sync_object(local: &mut LocalStore, path: &ObjectPath) -> Result<(), SinkError> {
+    let mut set = SyncSet::default();
+    set.written(
+        local
+            .file(path)
+            .map_err(|e| failed(format!("cannot map {path} to a file"), e))?,
+    );
+    local
+        .sync(set)
+        .await
+        .map_err(|e| failed(format!("cannot sync {path}"), e))
 }
 
 #[cfg(test)]
@@ -287,6 +351,7 @@ mod tests {
             stage: Stage::Decode,
             reason: "invalid JSON".into(),
             table: None,
+            sink: None,
             raw: Bytes::from_static(b"{oops"),
         }
     }

@@ -33,7 +33,7 @@ pub struct SinkBatch {
 }
 
 /// What a sink did with a batch.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct WriteReport {
     /// Documents written or replaced.
     pub upserted: u64,
@@ -41,6 +41,24 @@ pub struct WriteReport {
     pub deleted: u64,
     /// Operations made redundant by a later operation on the same key in the same batch.
     pub coalesced: u64,
+    /// Operations the target cannot hold, not applied (see the delivery contract on [`Sink`]).
+    /// The runtime dead-letters them or stops, as `on_error` says.
+    #[serde(skip)]
+    pub rejected: Vec<RejectedOp>,
+}
+
+/// One operation a sink could not apply because of its value (a key too long for an object
+/// name, a row the target refuses with a data error), while the rest of its batch was applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RejectedOp {
+    /// Position of the change that produced the operation.
+    pub position: refract_schemas::Position,
+    /// The collection or table the operation was for.
+    pub table: String,
+    /// The document or row key.
+    pub key: String,
+    /// Why the target cannot hold it, in the sink's words.
+    pub reason: String,
 }
 
 /// A sink applies write operations to one read model.
@@ -58,7 +76,14 @@ pub struct WriteReport {
 ///   before its buffer is durable.
 /// - *Classified errors.* A [`SinkError`] that [`is_retryable`](SinkError::is_retryable) makes the
 ///   runtime retry the same batch with backoff while the checkpoint stays put; any other error
-///   stops the pipeline loudly. A sink never skips an operation to make progress.
+///   stops the pipeline loudly. A sink never skips an operation silently to make progress.
+/// - *Per-operation rejection.* An operation whose value the target can never hold (retrying
+///   cannot help: a key past the store's name limit, a row refused with a data error) is not an
+///   error of the batch: the sink applies the rest of the batch and lists that operation in
+///   [`WriteReport::rejected`] with its reason. The runtime records it in the dead-letter store
+///   (stage `sink`) before checkpointing past the batch, or stops without checkpointing past it
+///   when `on_error = "stop"`. Rejecting an operation on a key must leave the key as the
+///   operations before it in the batch left it (a replay rejects it again, idempotently).
 /// - *Only what it accepts.* A sink kind declares the families of operations it applies (its
 ///   [`Intake`] type); the runtime hands it nothing else, because `refract validate` refuses a
 ///   route from a projection that emits other families.

@@ -2,6 +2,7 @@
 
 pub(crate) mod documents;
 pub mod kafka;
+pub mod local_files;
 pub mod migration;
 pub mod null;
 pub mod object_json;

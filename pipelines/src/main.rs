@@ -333,7 +333,7 @@ async fn run(loaded: LoadedPipeline, mode: ReadMode, summary_json: Option<PathBu
         Err(e) => {
             eprintln!("error: {e}");
             match e {
-                RunError::BadInput { .. } => ExitCode::from(3),
+                RunError::BadInput { .. } | RunError::Rejected { .. } => ExitCode::from(3),
                 _ => ExitCode::FAILURE,
             }
         }

@@ -7,6 +7,10 @@
 //! document, even if refract is killed mid-write. Staging files a kill left behind on a local
 //! directory are removed at open.
 //!
+//! **Durability.** On `file://`, `write` returns only once the batch's documents are on disk: the
+//! files written are `fsync`ed concurrently, then each directory whose entries changed once (see
+//! [`crate::sinks::local_files`]). Cloud stores acknowledge a PUT once it is durable.
+//!
 //! Within a batch, only the last operation per key is applied (earlier ones would be overwritten
 //! anyway), concurrently up to `concurrency` requests. Truncates split the batch so that ordering
 //! around them is kept.
@@ -23,7 +27,8 @@ use refract_schemas::write::{DocumentOp, OpFamily};
 use url::Url;
 
 use crate::sinks::documents::{Keyed, segments};
-use crate::{Intake, Sink, SinkBatch, SinkError, WriteReport};
+use crate::sinks::local_files::{LocalStore, SyncSet};
+use crate::{Intake, RejectedOp, Sink, SinkBatch, SinkError, WriteReport};
 
 /// Longest object name: the limit of common local file systems (ext4, xfs), and well within
 /// what S3, GCS and Azure accept.
@@ -38,6 +43,18 @@ pub struct ObjectJsonSink {
     config: ObjectJsonSinkConfig,
     store: Option<Arc<dyn ObjectStore>>,
     root: Path,
+    /// On `file://`: what makes written files durable.
+    local: Option<LocalStore>,
+}
+
+/// What applying one document operation did.
+enum Applied {
+    /// The object at this path was written.
+    Upserted(Path),
+    /// The object at this path was deleted (or was absent).
+    Deleted(Path),
+    /// The store cannot hold the operation's object.
+    Rejected(RejectedOp),
 }
 
 impl ObjectJsonSink {
@@ -51,32 +68,134 @@ impl ObjectJsonSink {
             config,
             store: None,
             root: Path::default(),
+            local: None,
         }
     }
 
-    /// Writes or deletes the object of one document; `Ok(true)` for a write.
-    async fn apply(&self, store: Arc<dyn ObjectStore>, op: Keyed<'_>) -> Result<bool, SinkError> {
-        self.check_key(op.key())?;
+    /// Writes or deletes the object of one document.
+    async fn apply(
+        &self,
+        store: Arc<dyn ObjectStore>,
+        op: Keyed<'_>,
+    ) -> Result<Applied, SinkError> {
         let path = self.object_path(op.collection(), op.key());
         match op {
             Keyed::Upsert { doc, .. } => {
+                if let Some(reason) = key_too_long(op.key()) {
+                    return Ok(Applied::Rejected(rejection(op, reason)));
+                }
                 let bytes = if self.config.pretty {
                     serde_json::to_vec_pretty(&**doc)
                 } else {
                     serde_json::to_vec(&**doc)
                 }
                 .expect("a JSON map serializes");
-                store
-                    .put(&path, PutPayload::from(bytes))
-                    .await
-                    .map_err(|e| self.transient(format!("cannot write {path}"), e))?;
-                Ok(true)
+                match store.put(&path, PutPayload::from(bytes)).await {
+                    Ok(_) => Ok(Applied::Upserted(path)),
+                    Err(e) if name_too_long(&e) => Ok(Applied::Rejected(rejection(
+                        op,
+                        format!("the store refuses the object name {path} as too long: {e}"),
+                    ))),
+                    Err(e) => Err(self.transient(format!("cannot write {path}"), e)),
+                }
             }
+            // No object can exist under a name the store refuses: nothing to delete.
+            Keyed::Delete { .. } if key_too_long(op.key()).is_some() => Ok(Applied::Deleted(path)),
             Keyed::Delete { .. } => match store.delete(&path).await {
-                Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(false),
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(Applied::Deleted(path)),
+                Err(e) if name_too_long(&e) => Ok(Applied::Deleted(path)),
                 Err(e) => Err(self.transient(format!("cannot delete {path}"), e)),
             },
         }
+    }
+
+    /// Applies `winners` (one operation per key) concurrently, up to `concurrency` at a time.
+    async fn apply_all(
+        &self,
+        store: &Arc<dyn ObjectStore>,
+        winners: Vec<Keyed<'_>>,
+    ) -> Vec<Result<Applied, SinkError>> {
+        // Collected first: a lazy `map` inside this `Send` future trips the compiler's
+        // higher-ranked lifetime check.
+        let writes: Vec<_> = winners
+            .into_iter()
+            .map(|op| self.apply(store.clone(), op))
+            .collect();
+        stream::iter(writes)
+            .buffer_unordered(self.config.concurrency)
+            .collect()
+            .await
+    }
+
+    /// Counts what one operation did, and notes on `file://` what must be synced for it.
+    fn record(
+        &self,
+        applied: Applied,
+        report: &mut WriteReport,
+        sync: &mut SyncSet,
+    ) -> Result<(), SinkError> {
+        let (path, written) = match applied {
+            Applied::Upserted(path) => {
+                report.upserted += 1;
+                (path, true)
+            }
+            Applied::Deleted(path) => {
+                report.deleted += 1;
+                (path, false)
+            }
+            Applied::Rejected(op) => {
+                tracing::warn!(sink = %self.name, position = %op.position, reason = %op.reason, "rejecting a document the store cannot hold");
+                report.rejected.push(op);
+                return Ok(());
+            }
+        };
+        let Some(local) = &self.local else {
+            return Ok(());
+        };
+        let file = local
+            .file(&path)
+            .map_err(|e| self.transient(format!("cannot map {path} to a file"), e))?;
+        match (written, file.parent()) {
+            (true, _) => sync.written(file),
+            (false, Some(dir)) => sync.changed_dir(dir.to_path_buf()),
+            (false, None) => {}
+        }
+        Ok(())
+    }
+
+    /// Deletes every document of `collection` (a truncate); returns how many there were.
+    async fn empty(
+        &self,
+        store: &Arc<dyn ObjectStore>,
+        collection: &str,
+        sync: &mut SyncSet,
+    ) -> Result<u64, SinkError> {
+        let prefix = self.root.clone().join(collection);
+        let listed = store.list(Some(&prefix)).map_ok(|m| m.location).boxed();
+        let deleted: Vec<Path> = store
+            .delete_stream(listed)
+            .try_collect()
+            .await
+            .map_err(|e| self.transient(format!("cannot empty {prefix}"), e))?;
+        if let Some(local) = &self.local {
+            let dir = local
+                .file(&prefix)
+                .map_err(|e| self.transient(format!("cannot map {prefix} to a file"), e))?;
+            sync.changed_dir(dir);
+        }
+        Ok(deleted.len() as u64)
+    }
+
+    /// On `file://`: makes what the batch wrote durable before `write` returns.
+    async fn make_durable(&mut self, sync: SyncSet) -> Result<(), SinkError> {
+        let Some(local) = &mut self.local else {
+            return Ok(());
+        };
+        local.sync(sync).await.map_err(|e| SinkError::Transient {
+            sink: self.name.clone(),
+            message: format!("cannot make the batch durable: {e}"),
+            source: Some(Box::new(e)),
+        })
     }
 
     fn object_path(&self, collection: &str, key: &str) -> Path {
@@ -86,27 +205,47 @@ impl ObjectJsonSink {
             .join(format!("{key}.json").as_str())
     }
 
-    /// A key too long for an object name (most file systems stop at 255 bytes) can never be
-    /// written: a permanent error, not something to retry.
-    fn check_key(&self, key: &str) -> Result<(), SinkError> {
-        let name = format!("{key}.json");
-        let encoded = object_store::path::PathPart::from(name.as_str());
-        if encoded.as_ref().len() > MAX_OBJECT_NAME_BYTES {
-            let shown: String = key.chars().take(60).collect();
-            return Err(SinkError::Permanent {
-                sink: self.name.clone(),
-                message: format!(
-                    "document key `{shown}…` makes an object name longer than {MAX_OBJECT_NAME_BYTES} bytes; \
-                     check the table's key columns"
-                ),
-                source: None,
-            });
-        }
-        Ok(())
-    }
-
     fn transient(&self, message: String, e: object_store::Error) -> SinkError {
         classify(&self.name, message, e)
+    }
+}
+
+/// Why `key` can never be an object name (most file systems stop at 255 bytes per name), if it
+/// cannot.
+fn key_too_long(key: &str) -> Option<String> {
+    let name = format!("{key}.json");
+    let encoded = object_store::path::PathPart::from(name.as_str());
+    if encoded.as_ref().len() <= MAX_OBJECT_NAME_BYTES {
+        return None;
+    }
+    let shown: String = key.chars().take(60).collect();
+    Some(format!(
+        "document key `{shown}…` makes an object name longer than {MAX_OBJECT_NAME_BYTES} bytes; \
+         check the table's key columns"
+    ))
+}
+
+/// Whether the store refused a name as too long (`ENAMETOOLONG` on a local file system).
+fn name_too_long(e: &object_store::Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(c) = cause {
+        if let Some(io) = c.downcast_ref::<std::io::Error>()
+            && io.kind() == std::io::ErrorKind::InvalidFilename
+        {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
+}
+
+/// `op`, rejected for `reason`.
+fn rejection(op: Keyed<'_>, reason: String) -> RejectedOp {
+    RejectedOp {
+        position: op.position().clone(),
+        table: op.collection().to_string(),
+        key: op.key().to_owned(),
+        reason,
     }
 }
 
@@ -204,6 +343,16 @@ impl Sink for ObjectJsonSink {
                 tracing::info!(sink = %self.name, removed, "removed staging files of interrupted writes");
             }
         }
+        self.local = LocalStore::for_url(&self.config.url, &root)
+            .transpose()
+            .map_err(|e| self.transient(format!("cannot map {root} to a directory"), e))?;
+        if let Some(local) = &self.local {
+            local.create_root().map_err(|e| SinkError::Transient {
+                sink: self.name.clone(),
+                message: format!("cannot create {root}: {e}"),
+                source: Some(Box::new(e)),
+            })?;
+        }
         self.store = Some(store);
         self.root = root;
         Ok(())
@@ -216,37 +365,17 @@ impl Sink for ObjectJsonSink {
             .ok_or_else(|| SinkError::not_open(&self.name))?;
         let ops = batch.intake::<Accepted>(&self.name)?;
         let mut report = WriteReport::default();
+        let mut sync = SyncSet::default();
         for segment in segments(&ops) {
             report.coalesced += segment.coalesced;
-            // Collected first: a lazy `map` inside this `Send` future trips the compiler's
-            // higher-ranked lifetime check.
-            let writes: Vec<_> = segment
-                .winners
-                .into_iter()
-                .map(|op| self.apply(store.clone(), op))
-                .collect();
-            let results: Vec<Result<bool, SinkError>> = stream::iter(writes)
-                .buffer_unordered(self.config.concurrency)
-                .collect()
-                .await;
-            for r in results {
-                if r? {
-                    report.upserted += 1;
-                } else {
-                    report.deleted += 1;
-                }
+            for applied in self.apply_all(&store, segment.winners).await {
+                self.record(applied?, &mut report, &mut sync)?;
             }
             if let Some(truncate) = segment.truncate {
-                let prefix = self.root.clone().join(&**truncate.collection);
-                let listed = store.list(Some(&prefix)).map_ok(|m| m.location).boxed();
-                let deleted: Vec<Path> = store
-                    .delete_stream(listed)
-                    .try_collect()
-                    .await
-                    .map_err(|e| self.transient(format!("cannot empty {prefix}"), e))?;
-                report.deleted += deleted.len() as u64;
+                report.deleted += self.empty(&store, truncate.collection, &mut sync).await?;
             }
         }
+        self.make_durable(sync).await?;
         Ok(report)
     }
 
@@ -357,7 +486,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_key_too_long_for_an_object_name_is_a_permanent_error() {
+    async fn a_key_too_long_for_an_object_name_is_rejected_and_the_rest_written() {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("file://{}", dir.path().display());
         let mut sink = ObjectJsonSink::new(
@@ -369,16 +498,31 @@ mod tests {
             },
         );
         sink.open(&Checkpoint::new()).await.unwrap();
-        let err = sink
+        let long = "k".repeat(300);
+        let report = sink
             .write(&SinkBatch {
                 seq: 1,
-                ops: vec![up("books", &"k".repeat(300), 1)],
+                ops: vec![
+                    up("books", &long, 1),
+                    up("books", "b1", 1),
+                    del("books", &"j".repeat(300)),
+                ],
             })
             .await
-            .unwrap_err();
+            .unwrap();
+        assert_eq!(report.rejected.len(), 1, "{report:?}");
+        let rejected = &report.rejected[0];
+        assert_eq!(
+            (rejected.table.as_str(), rejected.key.as_str()),
+            ("books", long.as_str())
+        );
         assert!(
-            !err.is_retryable() && err.to_string().contains("longer than 255 bytes"),
-            "{err}"
+            rejected.reason.contains("longer than 255 bytes"),
+            "{rejected:?}"
+        );
+        assert_eq!(
+            read(dir.path(), "books", "b1"),
+            Some(json!({"id": "b1", "v": 1}))
         );
     }
 

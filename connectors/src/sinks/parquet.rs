@@ -587,7 +587,7 @@ impl Sink for ParquetSink {
             self.roll(false)?;
         }
         self.publish().await?;
-        Ok(self.last_report)
+        Ok(self.last_report.clone())
     }
 
     fn buffered(&self) -> Option<Buffered> {

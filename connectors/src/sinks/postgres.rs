@@ -11,6 +11,12 @@
 //! upserts go as multi-row `INSERT … SELECT FROM unnest(…) ON CONFLICT DO UPDATE` statements of
 //! `rows_per_statement` documents, deletes as one `DELETE … USING unnest(…)` per collection.
 //!
+//! **Rejected rows.** When PostgreSQL refuses the batch with a data error (SQLSTATE class 22, a
+//! value it cannot store such as `\u0000` in `jsonb`, or 23, a constraint of the target table),
+//! the batch is applied again, still in one transaction, row by row in savepoints: each refused
+//! row is rolled back and reported as rejected with PostgreSQL's reason (the runtime
+//! dead-letters it), and every other row is applied.
+//!
 //! **Position guard.** `source_position` is the position of the change that wrote the row,
 //! zero-padded so that text order is position order: an upsert, delete or truncate only applies
 //! to rows written at an older (or the same) position, so a replay of older changes never
@@ -20,12 +26,12 @@
 use std::collections::HashSet;
 
 use async_trait::async_trait;
-use refract_schemas::Checkpoint;
 use refract_schemas::config::{PostgresSinkConfig, mask_url};
 use refract_schemas::write::{DocumentOp, OpFamily};
+use refract_schemas::{Checkpoint, Position};
 
 use crate::sinks::documents::{Keyed, segments};
-use crate::{Intake, Sink, SinkBatch, SinkError, WriteReport};
+use crate::{Intake, RejectedOp, Sink, SinkBatch, SinkError, WriteReport};
 
 /// What the PostgreSQL sink accepts: documents.
 type Accepted<'a> = &'a DocumentOp;
@@ -132,8 +138,48 @@ impl PostgresSink {
 struct BatchSql {
     /// Collections first written by this batch, with their table and its `CREATE TABLE`.
     creates: Vec<(String, String, String)>,
-    /// Statements and their text-array parameters.
-    statements: Vec<(String, Vec<Vec<String>>)>,
+    /// The statements.
+    statements: Vec<Statement>,
+}
+
+/// One statement over text arrays, one element per row it writes.
+struct Statement {
+    sql: String,
+    /// Parameters: one text array per column.
+    params: Vec<Vec<String>>,
+    /// The rows, in the order of the arrays' elements; empty for a truncate (no single row).
+    rows: Vec<RowRef>,
+}
+
+/// Which document a row of a statement is.
+struct RowRef {
+    position: Position,
+    collection: String,
+    key: String,
+    /// An upsert (else a delete).
+    upsert: bool,
+}
+
+impl RowRef {
+    fn of(op: &Keyed<'_>) -> Self {
+        RowRef {
+            position: op.position().clone(),
+            collection: op.collection().to_string(),
+            key: op.key().to_owned(),
+            upsert: matches!(op, Keyed::Upsert { .. }),
+        }
+    }
+}
+
+/// A row the target refused, and whether it was an upsert.
+type Refused = (RejectedOp, bool);
+
+/// Data exceptions (class 22: a value PostgreSQL cannot store, like `\u0000` in `jsonb`) and
+/// integrity constraint violations (class 23: a `CHECK` or trigger of the target table): the
+/// row is at fault, not the batch, and retrying cannot help.
+fn is_data_error(e: &tokio_postgres::Error) -> bool {
+    e.code()
+        .is_some_and(|c| matches!(&c.code()[..2], "22" | "23"))
 }
 
 impl PostgresSink {
@@ -176,48 +222,129 @@ impl PostgresSink {
             if let Some(truncate) = segment.truncate {
                 self.ensure(&mut sql, truncate.collection);
                 report.deleted += 1;
-                sql.statements.push((
-                    format!(
+                sql.statements.push(Statement {
+                    sql: format!(
                         "DELETE FROM {} WHERE source_position <= ($1::text[])[1]",
                         self.table(truncate.collection)
                     ),
-                    vec![vec![truncate.position.offset.sortable()]],
-                ));
+                    params: vec![vec![truncate.position.offset.sortable()]],
+                    rows: Vec::new(),
+                });
             }
         }
         sql
     }
 
-    /// Applies `sql` in one transaction, creating the schema and tables it needs first.
-    async fn apply(&mut self, sql: &BatchSql) -> Result<(), SinkError> {
-        let schema_name = self.config.schema.clone();
+    /// Applies `sql` in one transaction; after a data error, again row by row, rejecting the
+    /// rows PostgreSQL refuses (see [`apply_sql`]).
+    async fn apply(&mut self, sql: &BatchSql) -> Result<Vec<Refused>, SinkError> {
+        let schema = self.config.schema.clone();
         let Some(client) = self.client.as_mut() else {
             return Err(SinkError::not_open(&self.name));
         };
-        let result: Result<(), (String, tokio_postgres::Error)> = async {
-            let tx = client
-                .transaction()
-                .await
-                .map_err(|e| ("cannot begin a transaction".to_owned(), e))?;
-            if !sql.creates.is_empty() {
-                create_missing(&tx, &schema_name, &sql.creates).await?;
+        let result = match apply_sql(client, &schema, sql, false).await {
+            Err((_, e)) if is_data_error(&e) => {
+                tracing::warn!(sink = %self.name, error = %e, "a row was refused: applying the batch row by row to isolate it");
+                apply_sql(client, &schema, sql, true).await
             }
-            for (statement, params) in &sql.statements {
-                let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = params
-                    .iter()
-                    .map(|p| p as &(dyn tokio_postgres::types::ToSql + Sync))
-                    .collect();
-                tx.execute(statement.as_str(), &params).await.map_err(|e| {
-                    let what = statement.split(" AS ").next().unwrap_or(statement);
-                    (format!("cannot apply the batch ({what})"), e)
-                })?;
-            }
-            tx.commit()
-                .await
-                .map_err(|e| ("cannot commit the batch".to_owned(), e))
-        }
-        .await;
+            other => other,
+        };
         result.map_err(|(what, e)| self.classify(what, e))
+    }
+}
+
+/// Applies `sql` in one transaction, creating the schema and tables it needs first. Row by row,
+/// each row goes in a savepoint, and a row refused with a data error is rolled back and returned
+/// while the others are applied.
+async fn apply_sql(
+    client: &mut tokio_postgres::Client,
+    schema: &str,
+    sql: &BatchSql,
+    row_by_row: bool,
+) -> Result<Vec<Refused>, (String, tokio_postgres::Error)> {
+    let mut tx = client
+        .transaction()
+        .await
+        .map_err(|e| ("cannot begin a transaction".to_owned(), e))?;
+    if !sql.creates.is_empty() {
+        create_missing(&tx, schema, &sql.creates).await?;
+    }
+    let mut refused = Vec::new();
+    for statement in &sql.statements {
+        if row_by_row && !statement.rows.is_empty() {
+            refused.extend(execute_rows(&mut tx, statement).await?);
+        } else {
+            execute(&tx, &statement.sql, &statement.params).await?;
+        }
+    }
+    tx.commit()
+        .await
+        .map_err(|e| ("cannot commit the batch".to_owned(), e))?;
+    Ok(refused)
+}
+
+/// Runs one statement over text-array parameters.
+async fn execute(
+    tx: &tokio_postgres::Transaction<'_>,
+    statement: &str,
+    params: &[Vec<String>],
+) -> Result<u64, (String, tokio_postgres::Error)> {
+    let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = params
+        .iter()
+        .map(|p| p as &(dyn tokio_postgres::types::ToSql + Sync))
+        .collect();
+    tx.execute(statement, &params).await.map_err(|e| {
+        let what = statement.split(" AS ").next().unwrap_or(statement);
+        (format!("cannot apply the batch ({what})"), e)
+    })
+}
+
+/// Runs `statement` one row at a time, each in a savepoint; returns the rows refused with a data
+/// error (rolled back), with the reason PostgreSQL gave.
+async fn execute_rows(
+    tx: &mut tokio_postgres::Transaction<'_>,
+    statement: &Statement,
+) -> Result<Vec<Refused>, (String, tokio_postgres::Error)> {
+    let mut refused = Vec::new();
+    for (i, row) in statement.rows.iter().enumerate() {
+        let params: Vec<Vec<String>> = statement
+            .params
+            .iter()
+            .map(|column| vec![column[i].clone()])
+            .collect();
+        let savepoint = tx
+            .savepoint("refract_row")
+            .await
+            .map_err(|e| ("cannot set a savepoint".to_owned(), e))?;
+        match execute(&savepoint, &statement.sql, &params).await {
+            Ok(_) => savepoint.commit().await,
+            Err((_, e)) if is_data_error(&e) => {
+                refused.push((refusal(row, &e), row.upsert));
+                savepoint.rollback().await
+            }
+            Err(failure) => return Err(failure),
+        }
+        .map_err(|e| ("cannot end a savepoint".to_owned(), e))?;
+    }
+    Ok(refused)
+}
+
+/// The rejection of `row`, with PostgreSQL's reason.
+fn refusal(row: &RowRef, e: &tokio_postgres::Error) -> RejectedOp {
+    let reason = match e.as_db_error() {
+        Some(db) => format!(
+            "PostgreSQL refused the row: {} (SQLSTATE {}){}",
+            db.message(),
+            db.code().code(),
+            db.detail().map(|d| format!("; {d}")).unwrap_or_default()
+        ),
+        None => format!("PostgreSQL refused the row: {e}"),
+    };
+    RejectedOp {
+        position: row.position.clone(),
+        table: row.collection.clone(),
+        key: row.key.clone(),
+        reason,
     }
 }
 
@@ -236,7 +363,7 @@ fn by_collection<'a>(winners: &[Keyed<'a>]) -> Vec<(&'a str, Vec<Keyed<'a>>)> {
 }
 
 /// One multi-row upsert of `chunk` into `table`, guarded by position.
-fn upsert_statement(table: &str, chunk: &[Keyed<'_>]) -> (String, Vec<Vec<String>>) {
+fn upsert_statement(table: &str, chunk: &[Keyed<'_>]) -> Statement {
     let (mut ids, mut docs, mut positions) = (Vec::new(), Vec::new(), Vec::new());
     for op in chunk {
         if let Keyed::Upsert {
@@ -248,30 +375,32 @@ fn upsert_statement(table: &str, chunk: &[Keyed<'_>]) -> (String, Vec<Vec<String
             positions.push(position.offset.sortable());
         }
     }
-    (
-        format!(
+    Statement {
+        sql: format!(
             "INSERT INTO {table} AS t (id, doc, source_position) \
              SELECT i, d::jsonb, p FROM unnest($1::text[], $2::text[], $3::text[]) AS u(i, d, p) \
              ON CONFLICT (id) DO UPDATE SET doc = excluded.doc, source_position = excluded.source_position, updated_at = now() \
              WHERE t.source_position <= excluded.source_position"
         ),
-        vec![ids, docs, positions],
-    )
+        params: vec![ids, docs, positions],
+        rows: chunk.iter().map(RowRef::of).collect(),
+    }
 }
 
 /// One delete of `deletes` from `table`, guarded by position.
-fn delete_statement(table: &str, deletes: &[Keyed<'_>]) -> (String, Vec<Vec<String>>) {
+fn delete_statement(table: &str, deletes: &[Keyed<'_>]) -> Statement {
     let (ids, positions) = deletes
         .iter()
         .map(|op| (op.key().to_owned(), op.position().offset.sortable()))
         .unzip();
-    (
-        format!(
+    Statement {
+        sql: format!(
             "DELETE FROM {table} AS t USING unnest($1::text[], $2::text[]) AS u(i, p) \
              WHERE t.id = u.i AND t.source_position <= u.p"
         ),
-        vec![ids, positions],
-    )
+        params: vec![ids, positions],
+        rows: deletes.iter().map(RowRef::of).collect(),
+    }
 }
 
 /// Creates the schema and the tables of `creates` that do not exist yet. Looks before creating:
@@ -322,7 +451,14 @@ impl Sink for PostgresSink {
         self.connect().await?;
         let mut report = WriteReport::default();
         let sql = self.batch_sql(&ops, &mut report);
-        self.apply(&sql).await?;
+        for (op, upsert) in self.apply(&sql).await? {
+            if upsert {
+                report.upserted -= 1;
+            } else {
+                report.deleted -= 1;
+            }
+            report.rejected.push(op);
+        }
         self.ready.extend(sql.creates.into_iter().map(|(c, ..)| c));
         Ok(report)
     }

@@ -319,7 +319,7 @@ impl Sink for TiersSink {
         Ok(WriteReport {
             upserted: ops.len() as u64 - deleted,
             deleted,
-            coalesced: 0,
+            ..WriteReport::default()
         })
     }
 

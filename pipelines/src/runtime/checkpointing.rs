@@ -6,7 +6,9 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
-use refract_connectors::{SinkBatch, SinkError};
+use refract_connectors::dead_letter::{DeadLetter, Stage};
+use refract_connectors::{RejectedOp, SinkBatch, SinkError};
+use refract_schemas::config::OnError;
 use refract_schemas::{Checkpoint, Offset};
 use tokio::sync::watch;
 
@@ -14,6 +16,9 @@ use super::RunError;
 use super::delivery::{Ack, Job};
 use super::processor::Processor;
 use crate::checkpoint::{CheckpointError, CheckpointStore};
+
+/// How much of a rejected key an error message shows (keys a sink rejects can be very long).
+const SHOWN_KEY_CHARS: usize = 80;
 
 /// A dispatched batch waiting for its acknowledgements.
 struct Dispatched {
@@ -57,6 +62,14 @@ impl InFlight {
     /// Records batch `seq`, ending at `end`, as sent to `pending` targets.
     fn dispatched(&mut self, seq: u64, end: BTreeMap<Arc<str>, Offset>, pending: usize) {
         self.batches.push_back(Dispatched { seq, end, pending });
+    }
+
+    /// Batch `seq`, still in flight, waits for one more acknowledgement (a sink's rejected
+    /// operations sent to the dead-letter store).
+    fn add_pending(&mut self, seq: u64) {
+        if let Some(entry) = self.batches.iter_mut().find(|f| f.seq == seq) {
+            entry.pending += 1;
+        }
     }
 
     /// One target acknowledged batch `seq`.
@@ -156,14 +169,18 @@ impl Processor {
     }
 
     /// Handles a delivery task's report.
-    pub(super) fn on_ack(&mut self, ack: Ack) -> Result<(), RunError> {
+    pub(super) async fn on_ack(&mut self, ack: Ack) -> Result<(), RunError> {
         match ack {
             Ack::Done {
                 target,
                 seq,
-                report,
+                mut report,
             } => {
                 if target != self.dead_letter_target {
+                    let rejected = std::mem::take(&mut report.rejected);
+                    if !rejected.is_empty() {
+                        self.on_rejected(target, seq, rejected).await?;
+                    }
                     self.summary.add_report(target, report);
                 }
                 self.inflight.acknowledged(seq);
@@ -192,9 +209,53 @@ impl Processor {
         }
         while !self.inflight.is_empty() {
             match self.ack_rx.recv().await {
-                Some(ack) => self.on_ack(ack)?,
+                Some(ack) => self.on_ack(ack).await?,
                 None => break,
             }
+        }
+        Ok(())
+    }
+
+    /// Operations sink `target` rejected in batch `seq`: to the dead-letter store, the batch's
+    /// checkpoint waiting for them too, or the error that stops the run (`on_error`), the
+    /// checkpoint staying before the batch.
+    async fn on_rejected(
+        &mut self,
+        target: usize,
+        seq: u64,
+        rejected: Vec<RejectedOp>,
+    ) -> Result<(), RunError> {
+        let sink = self.summary.sink_name(target).to_owned();
+        if let (OnError::Stop, Some(op)) = (self.on_error, rejected.first()) {
+            let mut op = Box::new(op.clone());
+            op.key = op.key.chars().take(SHOWN_KEY_CHARS).collect();
+            return Err(RunError::Rejected { sink, op });
+        }
+        let letters: Vec<DeadLetter> = rejected
+            .into_iter()
+            .map(|op| {
+                tracing::warn!(sink = %sink, position = %op.position, table = %op.table, reason = %op.reason, "dead-lettering an operation the sink rejected");
+                DeadLetter {
+                    position: op.position,
+                    stage: Stage::Sink,
+                    reason: op.reason,
+                    table: Some(op.table),
+                    sink: Some(sink.clone()),
+                    raw: op.key.into(),
+                }
+            })
+            .collect();
+        self.summary.dead_letters += letters.len() as u64;
+        self.metrics.dead_letters.increment(letters.len() as u64);
+        self.inflight.add_pending(seq);
+        let job = Job::Letters { seq, letters };
+        if self.job_txs[self.dead_letter_target]
+            .send(job)
+            .await
+            .is_err()
+        {
+            // The dead-letter task ended: its failure is waiting in the ack channel.
+            return Err(Box::pin(self.first_failure()).await);
         }
         Ok(())
     }
@@ -202,7 +263,7 @@ impl Processor {
     /// The failure a delivery task reported before it ended.
     async fn first_failure(&mut self) -> RunError {
         while let Some(ack) = self.ack_rx.recv().await {
-            if let Err(e) = self.on_ack(ack) {
+            if let Err(e) = Box::pin(self.on_ack(ack)).await {
                 return e;
             }
         }

@@ -245,11 +245,11 @@ pub(crate) async fn run(
                     Target::Sink(s) => s.sink.buffered().map(|b| b.durable_through),
                     Target::DeadLetters(_) => None,
                 };
-                while let Some(&(seq, report)) = deferred.front() {
+                while let Some((seq, report)) = deferred.pop_front() {
                     if durable.is_some_and(|through| seq > through) {
+                        deferred.push_front((seq, report));
                         break;
                     }
-                    deferred.pop_front();
                     if acks
                         .send(Ack::Done {
                             target: index,

@@ -92,6 +92,20 @@ pub enum RunError {
         /// Why.
         reason: String,
     },
+    /// A sink rejected an operation with `on_error = "stop"`: the checkpoint stays before the
+    /// batch that holds it.
+    #[error(
+        "sink `{sink}` cannot hold the operation at {} (`{}`, key `{}`): {}; \
+             the checkpoint stays before its batch, so a rerun meets it again. Fix the data or the target, \
+             or set `on_error = \"dead_letter\"` to record it and go on",
+        .op.position, .op.table, .op.key, .op.reason
+    )]
+    Rejected {
+        /// The sink.
+        sink: String,
+        /// The operation (its key shortened when long), boxed: errors stay small.
+        op: Box<refract_connectors::RejectedOp>,
+    },
     /// A projection's saved state could not be restored.
     #[error(
         "projection `{projection}`: {reason}; delete the pipeline's state directory to start over"

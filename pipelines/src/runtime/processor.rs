@@ -82,7 +82,7 @@ impl Processor {
             tokio::select! {
                 biased;
                 ack = self.ack_rx.recv() => match ack {
-                    Some(ack) => self.on_ack(ack)?,
+                    Some(ack) => self.on_ack(ack).await?,
                     None => unreachable!("the processor holds the job senders"),
                 },
                 // The borrowed value is dropped at once: the run's future stays `Send`.
@@ -177,6 +177,7 @@ impl Processor {
                     stage: Stage::Decode,
                     reason: std::mem::take(&mut e.reason),
                     table: None,
+                    sink: None,
                     raw: std::mem::take(raw),
                 })?;
                 &e.position
@@ -202,6 +203,7 @@ impl Processor {
                         stage,
                         reason,
                         table,
+                        sink: None,
                         raw: std::mem::take(raw),
                     })?;
                 }

@@ -93,6 +93,11 @@ impl RunSummary {
         }
     }
 
+    /// The name of sink `sink` (its index among the run's sinks).
+    pub(crate) fn sink_name(&self, sink: usize) -> &str {
+        self.sink_names.get(sink).map_or("?", String::as_str)
+    }
+
     pub(crate) fn add_report(&mut self, sink: usize, report: WriteReport) {
         let total = self.sinks.entry(self.sink_names[sink].clone()).or_default();
         total.upserted += report.upserted;
