@@ -29,6 +29,7 @@ fn config() -> RedisSinkConfig {
         password: None,
         tls_ca_file: None,
         command: RedisDeleteCommand::Unlink,
+        cluster: false,
         keys_per_command: 2,
         pipeline_depth: 3,
         second_delete_ms: 0,
