@@ -252,7 +252,12 @@ impl TestRedis {
                 let client = redis::cluster::ClusterClient::new(urls.clone()).unwrap();
                 Box::new(client.get_connection().unwrap())
             } else {
-                Box::new(redis::Client::open(urls[0].as_str()).unwrap().get_connection().unwrap())
+                Box::new(
+                    redis::Client::open(urls[0].as_str())
+                        .unwrap()
+                        .get_connection()
+                        .unwrap(),
+                )
             }
         }
     }

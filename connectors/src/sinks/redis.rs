@@ -185,9 +185,9 @@ impl RedisSink {
         };
         let client = match (self.config.cluster, certificates) {
             (true, certificates) => cluster_client(info, certificates).map_err(config_error)?,
-            (false, None) => connection::Client::Single(
-                redis::Client::open(info).map_err(config_error)?,
-            ),
+            (false, None) => {
+                connection::Client::Single(redis::Client::open(info).map_err(config_error)?)
+            }
             (false, Some(certificates)) => connection::Client::Single(
                 redis::Client::build_with_tls(info, certificates).map_err(config_error)?,
             ),

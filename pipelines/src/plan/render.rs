@@ -541,7 +541,11 @@ fn render_redis_sink(out: &mut String, loaded: &LoadedPipeline, name: &str, r: &
     let _ = writeln!(
         out,
         "writes `{name}` (redis{}): {} by {how}{second}, {} commands per round trip{auth}; unhealthy after {} ms of failures",
-        if r.cluster { " cluster, keys grouped by hash slot" } else { "" },
+        if r.cluster {
+            " cluster, keys grouped by hash slot"
+        } else {
+            ""
+        },
         shown(loaded, &format!("sinks.{name}.url"), &r.url),
         r.pipeline_depth,
         r.unhealthy_after_ms

@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use super::{mask_url, object_store_url, range};
 use crate::config::{
     KafkaSinkConfig, ObjectJsonSinkConfig, POSTGRES_TOMBSTONES_TABLE, ParquetSinkConfig,
-    PipelineFile, PostgresSinkConfig, ProjectionConfig, RedisDeleteCommand, RedisSinkConfig, SinkConfig,
+    PipelineFile, PostgresSinkConfig, ProjectionConfig, RedisDeleteCommand, RedisSinkConfig,
+    SinkConfig,
 };
 
 /// Checks each sink in the order of its name.
