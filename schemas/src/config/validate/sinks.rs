@@ -223,18 +223,19 @@ fn tombstones_apart(
     s: &PostgresSinkConfig,
     projections: &BTreeMap<String, ProjectionConfig>,
 ) {
-    let mut collections: Vec<&str> = projections
-        .values()
-        .filter(|p| p.sinks().iter().any(|sink| sink == name))
-        .filter_map(|p| match p {
-            ProjectionConfig::Document(d) => d.collection.as_deref(),
-            ProjectionConfig::Replica(r) if !r.collection.contains('{') => Some(&r.collection),
-            _ => None,
-        })
-        .collect();
-    if !s.table.contains("{collection}") {
-        collections.push("");
-    }
+    let collections: Vec<&str> = if s.table.contains("{collection}") {
+        projections
+            .values()
+            .filter(|p| p.sinks().iter().any(|sink| sink == name))
+            .filter_map(|p| match p {
+                ProjectionConfig::Document(d) => d.collection.as_deref(),
+                ProjectionConfig::Replica(r) if !r.collection.contains('{') => Some(&r.collection),
+                _ => None,
+            })
+            .collect()
+    } else {
+        vec![""]
+    };
     if let Some(c) = collections
         .into_iter()
         .find(|c| s.table.replace("{collection}", c) == POSTGRES_TOMBSTONES_TABLE)
