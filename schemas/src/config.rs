@@ -801,8 +801,8 @@ pub struct RedisSinkConfig {
     /// `MOVED`/`ASK` redirections.
     #[serde(default)]
     pub cluster: bool,
-    /// Commands sent before reading their replies, 1 to 10,000 (on a cluster: commands in
-    /// flight across the slots' pipelines).
+    /// Commands sent before reading their replies, 1 to 10,000 (on a cluster: per pipeline, one
+    /// pipeline per hash slot).
     #[serde(default = "default_pipeline_depth")]
     pub pipeline_depth: usize,
     /// Keys per `UNLINK`/`DEL` command, 1 to 1,000: consecutive deletes of a batch share one
