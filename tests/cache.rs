@@ -10,6 +10,9 @@
 //!   pg_walinspect);
 //! - SIGKILL of refract at random moments under load, 20 times: after catch-up no key filled
 //!   before a committed change survives, and keys of untouched products do.
+//!
+//! Each runs twice: against one `redis-server`, and against a three-master Redis Cluster the
+//! test starts on loopback (the sink with `cluster = true`), except the TLS test.
 
 mod common;
 
@@ -22,11 +25,11 @@ use common::cache::*;
 use common::pg::{Cleanup, catch_up};
 use common::{Rng, Running, refract};
 
-fn exists(conn: &mut redis::Connection, key: &str) -> bool {
+fn exists(conn: &mut dyn redis::ConnectionLike, key: &str) -> bool {
     redis::cmd("EXISTS").arg(key).query::<i64>(conn).unwrap() == 1
 }
 
-fn keys(conn: &mut redis::Connection, pattern: &str) -> BTreeSet<String> {
+fn keys(conn: &mut dyn redis::ConnectionLike, pattern: &str) -> BTreeSet<String> {
     redis::cmd("KEYS")
         .arg(pattern)
         .query::<Vec<String>>(conn)
@@ -37,13 +40,22 @@ fn keys(conn: &mut redis::Connection, pattern: &str) -> BTreeSet<String> {
 
 #[test]
 fn deletes_follow_commits_skip_rollbacks_and_cover_the_old_and_new_sku() {
-    let t = "cache_order";
+    deletes_follow_commits(Flavor::Single);
+}
+
+#[test]
+fn on_a_cluster_deletes_follow_commits_skip_rollbacks_and_cover_the_old_and_new_sku() {
+    deletes_follow_commits(Flavor::Cluster);
+}
+
+fn deletes_follow_commits(flavor: Flavor) {
+    let t = &flavor.name("cache_order");
     let _cleanup = Cleanup::new(t, &[t]);
     fresh_products(t, 200);
-    let redis = RedisServer::start(false);
+    let redis = TestRedis::start(flavor, false);
     let monitor = Monitor::start(&redis);
     let dir = tempfile::tempdir().unwrap();
-    let pipeline = cache_pipeline(dir.path(), t, &redis.url(), "", "");
+    let pipeline = cache_pipeline(dir.path(), t, &redis.url(), &redis.sink_extra(""), "");
     catch_up(&pipeline);
     let _daemon = Running::spawn(refract().arg("run").arg(&pipeline));
 
@@ -146,7 +158,7 @@ fn deletes_follow_commits_skip_rollbacks_and_cover_the_old_and_new_sku() {
     }
     gaps.sort_by(f64::total_cmp);
     println!(
-        "order: {} committed transactions, {} keys deleted, every delete after its COMMIT was sent \
+        "order ({flavor:?}): {} committed transactions, {} keys deleted, every delete after its COMMIT was sent \
          (gap min {:.1} ms, median {:.1} ms, max {:.1} ms); 10 rolled-back transactions: no command",
         committed.len(),
         gaps.len(),
@@ -165,14 +177,25 @@ struct Written {
 
 #[test]
 fn redis_down_for_30_seconds_holds_the_slot_and_loses_no_delete() {
-    let t = "cache_down";
+    redis_down(Flavor::Single);
+}
+
+#[test]
+fn cluster_down_for_30_seconds_holds_the_slot_and_loses_no_delete() {
+    redis_down(Flavor::Cluster);
+}
+
+fn redis_down(flavor: Flavor) {
+    // Leaked: the writer thread borrows it for the rest of the test.
+    let t: &'static str = flavor.name("cache_down").leak();
     let products = 3000i64;
     let _cleanup = Cleanup::new(t, &[t]);
     fresh_products(t, products as u32);
-    let mut redis = RedisServer::start(true);
+    let mut redis = TestRedis::start(flavor, true);
     redis.fill((1..=products).map(|id| format!("{t}:{id}")));
     let dir = tempfile::tempdir().unwrap();
-    let pipeline = cache_pipeline(dir.path(), t, &redis.url(), "unhealthy_after_ms = 5000", "");
+    let extra = redis.sink_extra("unhealthy_after_ms = 5000");
+    let pipeline = cache_pipeline(dir.path(), t, &redis.url(), &extra, "");
     let status = free_addr();
     let text = std::fs::read_to_string(&pipeline).unwrap().replacen(
         "[pipeline.batch]",
@@ -275,7 +298,7 @@ fn redis_down_for_30_seconds_holds_the_slot_and_loses_no_delete() {
     let deadline = Instant::now() + Duration::from_secs(60);
     while written
         .iter()
-        .any(|w| exists(&mut conn, &format!("{t}:{}", w.id)))
+        .any(|w| exists(&mut *conn, &format!("{t}:{}", w.id)))
         && Instant::now() < deadline
     {
         std::thread::sleep(Duration::from_millis(100));
@@ -302,7 +325,7 @@ fn redis_down_for_30_seconds_holds_the_slot_and_loses_no_delete() {
     let survivors: Vec<i64> = changed
         .iter()
         .copied()
-        .filter(|id| exists(&mut conn, &format!("{t}:{id}")))
+        .filter(|id| exists(&mut *conn, &format!("{t}:{id}")))
         .collect();
     assert!(
         survivors.is_empty(),
@@ -311,7 +334,7 @@ fn redis_down_for_30_seconds_holds_the_slot_and_loses_no_delete() {
     let untouched = (1..=products).filter(|id| !changed.contains(id)).count();
     assert!(untouched > 0, "the writer must leave some products alone");
     assert_eq!(
-        keys(&mut conn, &format!("{t}:*")).len(),
+        keys(&mut *conn, &format!("{t}:*")).len(),
         untouched,
         "untouched products keep their keys"
     );
@@ -356,7 +379,7 @@ fn redis_down_for_30_seconds_holds_the_slot_and_loses_no_delete() {
         "a delete waiting longer than unhealthy_after_ms is reported"
     );
     println!(
-        "redis down {down_secs} s: {} transactions committed meanwhile; slot confirmed_flush_lsn \
+        "redis ({flavor:?}) down {down_secs} s: {} transactions committed meanwhile; slot confirmed_flush_lsn \
          {} at the kill, at most {} while down ({} samples), first undelivered commit at {}, WAL at \
          {} when Redis came back, confirmed {} after catch-up; {} changed products, 0 keys left, \
          {untouched} untouched keys kept; 'pipeline unhealthy' logged and /health 503 while down, 200 after; keys gone {recovered_after:.1} s \
@@ -374,16 +397,25 @@ fn redis_down_for_30_seconds_holds_the_slot_and_loses_no_delete() {
 
 #[test]
 fn sigkill_at_random_moments_leaves_no_key_of_a_committed_change() {
-    let t = "cache_crash";
+    sigkill_at_random_moments(Flavor::Single);
+}
+
+#[test]
+fn on_a_cluster_sigkill_at_random_moments_leaves_no_key_of_a_committed_change() {
+    sigkill_at_random_moments(Flavor::Cluster);
+}
+
+fn sigkill_at_random_moments(flavor: Flavor) {
+    let t = flavor.name("cache_crash");
     let products = 2000i64;
     let controls = 100i64;
-    let _cleanup = Cleanup::new(t, &[t]);
-    fresh_products(t, products as u32);
-    let redis = RedisServer::start(false);
+    let _cleanup = Cleanup::new(&t, &[&t]);
+    fresh_products(&t, products as u32);
+    let redis = TestRedis::start(flavor, false);
     let mut conn = redis.connection();
     redis.fill((products - controls + 1..=products).map(|id| format!("{t}:{id}")));
     let dir = tempfile::tempdir().unwrap();
-    let pipeline = cache_pipeline(dir.path(), t, &redis.url(), "", "");
+    let pipeline = cache_pipeline(dir.path(), &t, &redis.url(), &redis.sink_extra(""), "");
     catch_up(&pipeline);
 
     // The writer: a reader fills the keys of a product, then the product changes (a tenth of the
@@ -391,10 +423,11 @@ fn sigkill_at_random_moments_leaves_no_key_of_a_committed_change() {
     let stop = Arc::new(AtomicBool::new(false));
     let writer = {
         let stop = stop.clone();
-        let client = redis.client();
+        let connect = redis.connector();
+        let t = t.clone();
         std::thread::spawn(move || {
             let mut pg = pg_client();
-            let mut cache = client.get_connection().unwrap();
+            let mut cache = connect();
             let mut rng = Rng::new(7);
             let mut skus: BTreeMap<i64, String> =
                 (1..=products).map(|id| (id, format!("sku-{id}"))).collect();
@@ -409,7 +442,7 @@ fn sigkill_at_random_moments_leaves_no_key_of_a_committed_change() {
                         redis::cmd("SET")
                             .arg(key)
                             .arg("cached")
-                            .exec(&mut cache)
+                            .exec(&mut *cache)
                             .unwrap();
                         fills += 1;
                     }
@@ -456,7 +489,7 @@ fn sigkill_at_random_moments_leaves_no_key_of_a_committed_change() {
     let (txs, fills) = writer.join().unwrap();
     catch_up(&pipeline);
 
-    let left = keys(&mut conn, &format!("{t}:*"));
+    let left = keys(&mut *conn, &format!("{t}:*"));
     let control: BTreeSet<String> = (products - controls + 1..=products)
         .map(|id| format!("{t}:{id}"))
         .collect();
@@ -469,7 +502,7 @@ fn sigkill_at_random_moments_leaves_no_key_of_a_committed_change() {
     );
     assert_eq!(left, control, "keys of untouched products stay");
     println!(
-        "crash: {kills} SIGKILLs during {txs} writer transactions ({fills} keys filled before their \
+        "crash ({flavor:?}): {kills} SIGKILLs during {txs} writer transactions ({fills} keys filled before their \
          change): 0 survived after catch-up, {controls} untouched keys kept"
     );
 }
@@ -697,13 +730,22 @@ fn tls_and_an_acl_user_from_the_environment() {
 
 #[test]
 fn old_values_the_replica_identity_does_not_send_are_reported() {
-    let t = "cache_identity";
+    old_values_not_sent(Flavor::Single);
+}
+
+#[test]
+fn on_a_cluster_old_values_the_replica_identity_does_not_send_are_reported() {
+    old_values_not_sent(Flavor::Cluster);
+}
+
+fn old_values_not_sent(flavor: Flavor) {
+    let t = &flavor.name("cache_identity");
     let _cleanup = Cleanup::new(t, &[t]);
     fresh_products(t, 5);
     common::pg::psql(&format!("ALTER TABLE {t} REPLICA IDENTITY DEFAULT"));
-    let redis = RedisServer::start(false);
+    let redis = TestRedis::start(flavor, false);
     let dir = tempfile::tempdir().unwrap();
-    let pipeline = cache_pipeline(dir.path(), t, &redis.url(), "", "");
+    let pipeline = cache_pipeline(dir.path(), t, &redis.url(), &redis.sink_extra(""), "");
     let plan = |pipeline: &std::path::Path| {
         let out = refract().arg("plan").arg(pipeline).output().unwrap();
         assert!(out.status.success(), "{out:?}");
@@ -725,10 +767,10 @@ fn old_values_the_replica_identity_does_not_send_are_reported() {
     common::pg::psql(&format!("UPDATE {t} SET sku = 'sku-1-new' WHERE id = 1"));
     let summary = catch_up(&pipeline);
     assert_eq!(summary["dead_letters"], 1, "{summary}");
-    assert!(!exists(&mut conn, &format!("{t}:1")));
-    assert!(!exists(&mut conn, &format!("{t}:sku:sku-1-new")));
+    assert!(!exists(&mut *conn, &format!("{t}:1")));
+    assert!(!exists(&mut *conn, &format!("{t}:sku:sku-1-new")));
     assert!(
-        exists(&mut conn, &format!("{t}:sku:sku-1")),
+        exists(&mut *conn, &format!("{t}:sku:sku-1")),
         "the old sku is unknown without the old row"
     );
     let letters =

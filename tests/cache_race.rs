@@ -9,6 +9,8 @@
 //! Readers are modelled as setting their value a random time after refract's first delete of
 //! their key (its time taken from Redis' MONITOR): 90% within 50 ms, 9% within 50-400 ms, 1%
 //! within 400-1,500 ms (a GC pause, a slow network).
+//!
+//! The races run against one `redis-server` and against a three-master Redis Cluster.
 
 mod common;
 
@@ -42,12 +44,12 @@ fn reader_delay(rng: &mut Rng) -> Duration {
     Duration::from_millis(ms)
 }
 
-/// Runs `interleavings` races with `guard`; returns (stale keys left, fresh fills refused).
-fn race(guard: Guard, interleavings: i64) -> (usize, usize) {
-    let t = "cache_race";
+/// Runs `interleavings` races with `guard` on the products of `t`; returns (stale keys left,
+/// fresh fills refused).
+fn race(flavor: Flavor, t: &str, guard: Guard, interleavings: i64) -> (usize, usize) {
     let name = format!("{t}_{guard:?}").to_lowercase();
     let _cleanup = Cleanup::new(&name, &[]);
-    let redis = RedisServer::start(false);
+    let redis = TestRedis::start(flavor, false);
     let mut cache = redis.connection();
     let dir = tempfile::tempdir().unwrap();
     let (sink_extra, table_extra) = match guard {
@@ -58,6 +60,7 @@ fn race(guard: Guard, interleavings: i64) -> (usize, usize) {
             "version_column = \"updated_at\"",
         ),
     };
+    let sink_extra = redis.sink_extra(&sink_extra);
     let pipeline = cache_pipeline(dir.path(), t, &redis.url(), &sink_extra, table_extra);
     // Each guard has its own pipeline (slot) over the shared table.
     let text = std::fs::read_to_string(&pipeline).unwrap().replacen(
@@ -92,7 +95,7 @@ fn race(guard: Guard, interleavings: i64) -> (usize, usize) {
             .unwrap();
         for row in &rows {
             let key = format!("{t}:{}", row.get::<_, i64>(0));
-            let v: Option<String> = redis::cmd("GET").arg(&key).query(&mut cache).unwrap();
+            let v: Option<String> = redis::cmd("GET").arg(&key).query(&mut *cache).unwrap();
             assert_eq!(v, None, "{key} starts as a miss");
         }
         // 2. The writer changes the rows and commits.
@@ -130,7 +133,7 @@ fn race(guard: Guard, interleavings: i64) -> (usize, usize) {
                         .arg(*version)
                         .arg(&value)
                         .arg(300_000)
-                        .invoke(&mut cache)
+                        .invoke(&mut *cache)
                         .unwrap();
                 }
                 _ => redis::cmd("SET")
@@ -138,14 +141,14 @@ fn race(guard: Guard, interleavings: i64) -> (usize, usize) {
                     .arg(&value)
                     .arg("PX")
                     .arg(300_000)
-                    .exec(&mut cache)
+                    .exec(&mut *cache)
                     .unwrap(),
             }
         }
         // 5. After the second delete had its chance, count what is left of the old rows.
         std::thread::sleep(Duration::from_millis(SECOND_DELETE_MS + 300));
         for (_, key, price, _) in &sets {
-            let v: Option<String> = redis::cmd("GET").arg(key).query(&mut cache).unwrap();
+            let v: Option<String> = redis::cmd("GET").arg(key).query(&mut *cache).unwrap();
             if v.is_some_and(|v| v.ends_with(&format!("price={price}"))) {
                 stale += 1;
             }
@@ -167,7 +170,7 @@ fn race(guard: Guard, interleavings: i64) -> (usize, usize) {
                     .arg(r.get::<_, i64>(2))
                     .arg(format!("price={}", r.get::<_, i64>(1)))
                     .arg(300_000)
-                    .invoke(&mut cache)
+                    .invoke(&mut *cache)
                     .unwrap();
                 refused += usize::from(ok == 0);
             }
@@ -219,19 +222,28 @@ fn deletes(
 
 #[test]
 fn stale_sets_left_by_each_guard() {
-    let t = "cache_race";
+    stale_sets(Flavor::Single);
+}
+
+#[test]
+fn on_a_cluster_stale_sets_left_by_each_guard() {
+    stale_sets(Flavor::Cluster);
+}
+
+fn stale_sets(flavor: Flavor) {
+    let t = &flavor.name("cache_race");
     // The must-show size is 10,000 interleavings; CI runs the same three races on 3,000.
     let interleavings: i64 = if in_ci() { 3_000 } else { 10_000 };
     let _cleanup = Cleanup::new(t, &[t]);
     fresh_products(t, interleavings as u32);
     let mut results = Vec::new();
     for guard in [Guard::None, Guard::SecondDelete, Guard::VersionedSet] {
-        let (stale, refused) = race(guard, interleavings);
+        let (stale, refused) = race(flavor, t, guard, interleavings);
         results.push((guard, stale, refused));
     }
     for (guard, stale, refused) in &results {
         println!(
-            "race: {interleavings} reader-miss / writer-update / reader-set interleavings, guard \
+            "race ({flavor:?}): {interleavings} reader-miss / writer-update / reader-set interleavings, guard \
              {guard:?}: {stale} stale keys left ({:.2}%){}",
             *stale as f64 * 100.0 / interleavings as f64,
             if *guard == Guard::VersionedSet {

@@ -1,6 +1,7 @@
 //! The PostgreSQL JSONB sink: SIGKILL `refract run` at random moments while it writes documents
 //! into PostgreSQL, and compare the tables with the state computed independently from the change
-//! log; then replay old changes over newer documents, which must stay.
+//! log; then replay old changes over newer documents, which must stay, and an old upsert over
+//! its delete, which must not bring the document back.
 
 mod common;
 
@@ -177,8 +178,12 @@ fn a_writer_with_rights_on_existing_tables_only_writes_without_creating() {
          CREATE SCHEMA {schema};
          CREATE TABLE {schema}.items (id text PRIMARY KEY, doc jsonb NOT NULL,
              source_position text COLLATE \"C\" NOT NULL, updated_at timestamptz NOT NULL DEFAULT now());
+         CREATE TABLE {schema}.refract_tombstones (target text COLLATE \"C\" NOT NULL,
+             id text NOT NULL, position text COLLATE \"C\" NOT NULL,
+             deleted_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (target, id));
          GRANT USAGE ON SCHEMA {schema} TO refract_sink_writer;
-         GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.items TO refract_sink_writer;"
+         GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.items, {schema}.refract_tombstones
+             TO refract_sink_writer;"
     ));
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("changes.jsonl");
@@ -207,4 +212,56 @@ fn a_writer_with_rights_on_existing_tables_only_writes_without_creating() {
     assert!(run.status.success(), "{stderr}");
     let expected = expected_state(&lines).len();
     assert_eq!(count, expected.to_string(), "{stderr}");
+}
+
+/// A one-sink pipeline reading `log` once into `schema`, its state in `dir/state`.
+fn once_pipeline(dir: &Path, log: &Path, schema: &str, state: &str) -> std::path::PathBuf {
+    let text = format!(
+        "[pipeline]\nname = \"tombstones\"\nstate_dir = \"{}\"\n[source]\nkind = \"file\"\npath = \"{}\"\nfollow = false\n\
+         [projections.replica]\nkind = \"replica\"\nsinks = [\"pg\"]\n\
+         [sinks.pg]\nkind = \"postgres\"\nurl = \"{}\"\nschema = \"{schema}\"\n",
+        dir.join(state).display(),
+        log.display(),
+        common::pg::url(),
+    );
+    let pipeline = dir.join(format!("{state}.toml"));
+    std::fs::write(&pipeline, text).unwrap();
+    pipeline
+}
+
+fn run_once(pipeline: &Path) {
+    let run = output(refract().arg("run").arg(pipeline));
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
+
+#[test]
+fn an_older_upsert_replayed_after_a_delete_does_not_bring_the_document_back() {
+    let schema = "refract_sink_tombstones";
+    psql(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"));
+    let dir = tempfile::tempdir().unwrap();
+    let src = serde_json::json!({"connector": "postgresql", "schema": "public", "table": "items", "ts_ms": 1_790_000_000_000u64});
+    let row = serde_json::json!({"id": 7, "name": "item 7", "qty": 1});
+    let upsert = serde_json::json!({"before": null, "after": row, "op": "c", "source": src});
+    let delete = serde_json::json!({"before": row, "after": null, "op": "d", "source": src});
+    let log = dir.path().join("changes.jsonl");
+    write_lines(&log, &[upsert.to_string(), delete.to_string()]);
+    run_once(&once_pipeline(dir.path(), &log, schema, "state"));
+    let count = || psql(&format!("SELECT count(*) FROM {schema}.items"));
+    assert_eq!(count(), "0", "the delete applied");
+
+    // The upsert alone, at its own position, replayed by a run with no checkpoint (as after a
+    // crash before the checkpoint moved past it).
+    write_lines(&log, &[upsert.to_string()]);
+    run_once(&once_pipeline(dir.path(), &log, schema, "replay"));
+    let after_replay = count();
+    let tombstones = psql(&format!(
+        "SELECT string_agg(target || '/' || id, ',') FROM {schema}.refract_tombstones"
+    ));
+    psql(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"));
+    assert_eq!(after_replay, "0", "the deleted document came back");
+    assert_eq!(tombstones, "items/7");
 }

@@ -816,12 +816,18 @@ pub struct RedisSinkConfig {
     /// How invalidated keys are removed.
     #[serde(default)]
     pub command: RedisDeleteCommand,
-    /// Commands sent before reading their replies, 1 to 10,000.
+    /// The URL is one node of a Redis Cluster: the sink discovers the others, groups each
+    /// batch's keys by hash slot (one pipeline and multi-key delete per slot) and follows
+    /// `MOVED`/`ASK` redirections.
+    #[serde(default)]
+    pub cluster: bool,
+    /// Commands sent before reading their replies, 1 to 10,000 (on a cluster: per pipeline, one
+    /// pipeline per hash slot).
     #[serde(default = "default_pipeline_depth")]
     pub pipeline_depth: usize,
     /// Keys per `UNLINK`/`DEL` command, 1 to 1,000: consecutive deletes of a batch share one
-    /// command, which costs Redis far less than one command per key. Set 1 behind a proxy or a
-    /// Redis Cluster, where the keys of one command must live in one slot.
+    /// command, which costs Redis far less than one command per key. Set 1 behind a proxy that
+    /// cannot split them; with `cluster = true` each command holds keys of one slot only.
     #[serde(default = "default_keys_per_command")]
     pub keys_per_command: usize,
     /// Delete every invalidated key a second time this many milliseconds after the first
@@ -965,6 +971,23 @@ pub struct PostgresSinkConfig {
     /// Documents per upsert statement, 1 to 100,000.
     #[serde(default = "default_rows_per_statement")]
     pub rows_per_statement: usize,
+    /// How long, in milliseconds, a delete's tombstone is kept at least (1,000 to 3,153,600,000,000):
+    /// it is pruned at open once it is also older than the sink's checkpoint.
+    #[serde(default = "default_tombstone_retention_ms")]
+    pub tombstone_retention_ms: u64,
+}
+
+/// Table of the PostgreSQL sink's tombstones, in the sink's schema: `(target, id, position,
+/// deleted_at)`, the position that deleted each document, so that an older upsert replayed after
+/// the delete cannot bring the document back. No read-model table may be named so.
+pub const POSTGRES_TOMBSTONES_TABLE: &str = "refract_tombstones";
+
+/// Default tombstone retention: 7 days, longer than any replay a crash or an outage causes
+/// (a pipeline's checkpoint lagging a week behind has bigger problems than a resurrected row).
+pub const DEFAULT_TOMBSTONE_RETENTION_MS: u64 = 7 * 24 * 3_600_000;
+
+fn default_tombstone_retention_ms() -> u64 {
+    DEFAULT_TOMBSTONE_RETENTION_MS
 }
 
 fn default_read_model_schema() -> String {

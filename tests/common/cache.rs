@@ -1,6 +1,6 @@
-//! Helpers of the cache-invalidation tests: a Redis server each test owns (so it can be stopped
-//! and MONITORed without meeting other tests), a MONITOR recorder, a products table and its
-//! pipeline file.
+//! Helpers of the cache-invalidation tests: a Redis server or a three-master Redis Cluster each
+//! test owns (so it can be stopped and MONITORed without meeting other tests), a MONITOR
+//! recorder, a products table and its pipeline file.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -15,6 +15,8 @@ pub struct RedisServer {
     dir: tempfile::TempDir,
     child: Option<Child>,
     persistent: bool,
+    /// A node of a Redis Cluster (`cluster-enabled yes`, its state in `nodes.conf` of `dir`).
+    cluster: bool,
 }
 
 impl RedisServer {
@@ -22,12 +24,19 @@ impl RedisServer {
     /// write, so keys survive a kill and restart (the "Redis down" test needs the keys that
     /// were due for deletion still there when it comes back).
     pub fn start(persistent: bool) -> Self {
+        Self::start_node(persistent, false)
+    }
+
+    /// Starts a server, a cluster node when `cluster` (not in a cluster yet: see
+    /// [`RedisCluster`]).
+    fn start_node(persistent: bool, cluster: bool) -> Self {
         let port = free_port();
         let mut server = RedisServer {
             port,
             dir: tempfile::tempdir().unwrap(),
             child: None,
             persistent,
+            cluster,
         };
         server.start_again();
         server
@@ -37,9 +46,22 @@ impl RedisServer {
     pub fn start_again(&mut self) {
         assert!(self.child.is_none(), "already running");
         let aof = if self.persistent { "yes" } else { "no" };
+        let cluster: &[&str] = if self.cluster {
+            &[
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "5000",
+            ]
+        } else {
+            &[]
+        };
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", aof, "--appendfsync", "always"])
+            .args(cluster)
             .arg("--dir")
             .arg(self.dir.path())
             .stdout(Stdio::null())
@@ -98,6 +120,177 @@ impl Drop for RedisServer {
     }
 }
 
+/// A Redis Cluster of three masters (no replicas) this test started on free loopback ports;
+/// killed when dropped.
+pub struct RedisCluster {
+    nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts three nodes, joins them with `redis-cli --cluster create` and waits until every
+    /// node says `cluster_state:ok`. `persistent` as for [`RedisServer::start`].
+    pub fn start(persistent: bool) -> Self {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| RedisServer::start_node(persistent, true))
+            .collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)))
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli runs");
+        assert!(out.status.success(), "redis-cli --cluster create: {out:?}");
+        let cluster = RedisCluster { nodes };
+        cluster.wait_ok();
+        cluster
+    }
+
+    /// Waits until every node reports `cluster_state:ok` and knows all three.
+    fn wait_ok(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let ok = |n: &RedisServer| {
+            let Ok(mut c) = n.client().get_connection() else {
+                return false;
+            };
+            let info: String = redis::cmd("CLUSTER")
+                .arg("INFO")
+                .query(&mut c)
+                .unwrap_or_default();
+            info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:3")
+        };
+        while !self.nodes.iter().all(ok) {
+            assert!(Instant::now() < deadline, "the Redis Cluster did not form");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Kills every node (SIGKILL).
+    pub fn kill(&mut self) {
+        self.nodes.iter_mut().for_each(RedisServer::kill);
+    }
+
+    /// Restarts every node on its port and directory (its `nodes.conf` rejoins it to the
+    /// others) and waits until the cluster is ok again.
+    pub fn start_again(&mut self) {
+        self.nodes.iter_mut().for_each(RedisServer::start_again);
+        self.wait_ok();
+    }
+}
+
+/// What the cache tests run against.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Flavor {
+    /// One `redis-server`.
+    Single,
+    /// A three-master Redis Cluster, the sink with `cluster = true`.
+    Cluster,
+}
+
+impl Flavor {
+    /// `name` made unique to the flavor: table and slot names of tests that run in parallel.
+    pub fn name(self, name: &str) -> String {
+        match self {
+            Flavor::Single => name.to_owned(),
+            Flavor::Cluster => format!("{name}_cl"),
+        }
+    }
+}
+
+/// A Redis a test owns: one server, or a cluster.
+pub enum TestRedis {
+    Single(RedisServer),
+    Cluster(RedisCluster),
+}
+
+impl TestRedis {
+    pub fn start(flavor: Flavor, persistent: bool) -> Self {
+        match flavor {
+            Flavor::Single => TestRedis::Single(RedisServer::start(persistent)),
+            Flavor::Cluster => TestRedis::Cluster(RedisCluster::start(persistent)),
+        }
+    }
+
+    /// The servers: the one, or every node.
+    fn servers(&self) -> &[RedisServer] {
+        match self {
+            TestRedis::Single(s) => std::slice::from_ref(s),
+            TestRedis::Cluster(c) => &c.nodes,
+        }
+    }
+
+    /// The sink's URL: the server's, or one node's.
+    pub fn url(&self) -> String {
+        self.servers()[0].url()
+    }
+
+    /// The sink's settings for this Redis, followed by `extra`.
+    pub fn sink_extra(&self, extra: &str) -> String {
+        match self {
+            TestRedis::Single(_) => extra.to_owned(),
+            TestRedis::Cluster(_) => format!("cluster = true\n{extra}"),
+        }
+    }
+
+    /// A synchronous connection (on a cluster, routing each command by its key).
+    pub fn connection(&self) -> Box<dyn redis::ConnectionLike + Send> {
+        match self {
+            TestRedis::Single(s) => Box::new(s.connection()),
+            TestRedis::Cluster(c) => {
+                let urls: Vec<String> = c.nodes.iter().map(RedisServer::url).collect();
+                let client = redis::cluster::ClusterClient::new(urls).unwrap();
+                Box::new(client.get_connection().unwrap())
+            }
+        }
+    }
+
+    /// A way to make more connections from another thread.
+    pub fn connector(&self) -> impl Fn() -> Box<dyn redis::ConnectionLike + Send> + Send + 'static {
+        let urls: Vec<String> = self.servers().iter().map(RedisServer::url).collect();
+        let cluster = matches!(self, TestRedis::Cluster(_));
+        move || -> Box<dyn redis::ConnectionLike + Send> {
+            if cluster {
+                let client = redis::cluster::ClusterClient::new(urls.clone()).unwrap();
+                Box::new(client.get_connection().unwrap())
+            } else {
+                Box::new(
+                    redis::Client::open(urls[0].as_str())
+                        .unwrap()
+                        .get_connection()
+                        .unwrap(),
+                )
+            }
+        }
+    }
+
+    /// Sets `key` to `"cached"` for every key, as a reader filling the cache would.
+    pub fn fill(&self, keys: impl IntoIterator<Item = String>) {
+        let mut conn = self.connection();
+        for key in keys {
+            redis::cmd("SET")
+                .arg(key)
+                .arg("cached")
+                .exec(&mut *conn)
+                .unwrap();
+        }
+    }
+
+    /// Kills the server or every node.
+    pub fn kill(&mut self) {
+        match self {
+            TestRedis::Single(s) => s.kill(),
+            TestRedis::Cluster(c) => c.kill(),
+        }
+    }
+
+    /// Restarts what [`TestRedis::kill`] killed, waiting until it serves.
+    pub fn start_again(&mut self) {
+        match self {
+            TestRedis::Single(s) => s.start_again(),
+            TestRedis::Cluster(c) => c.start_again(),
+        }
+    }
+}
+
 /// One command Redis executed, as MONITOR reports it.
 #[derive(Debug, Clone)]
 pub struct Seen {
@@ -114,11 +307,19 @@ pub struct Monitor {
 }
 
 impl Monitor {
-    pub fn start(server: &RedisServer) -> Self {
+    /// Records what `redis` executes: the server, or every node of the cluster.
+    pub fn start(redis: &TestRedis) -> Self {
         let seen = Arc::new(Mutex::new(Vec::new()));
+        for server in redis.servers() {
+            Self::record(server, seen.clone());
+        }
+        Monitor { seen }
+    }
+
+    /// MONITORs `server` into `seen`, in order of execution.
+    fn record(server: &RedisServer, seen: Arc<Mutex<Vec<Seen>>>) {
         let mut conn = server.connection();
         redis::cmd("MONITOR").exec(&mut conn).unwrap();
-        let sink = seen.clone();
         std::thread::spawn(move || {
             while let Ok(value) = conn.recv_response() {
                 let line: String = match redis::from_redis_value(value) {
@@ -126,11 +327,10 @@ impl Monitor {
                     Err(_) => continue,
                 };
                 if let Some(s) = parse_monitor_line(&line) {
-                    sink.lock().unwrap().push(s);
+                    seen.lock().unwrap().push(s);
                 }
             }
         });
-        Monitor { seen }
     }
 
     /// The commands named `name` (upper case) seen so far, with their keys.

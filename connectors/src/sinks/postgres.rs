@@ -20,13 +20,19 @@
 //! **Position guard.** `source_position` is the position of the change that wrote the row,
 //! zero-padded so that text order is position order: an upsert, delete or truncate only applies
 //! to rows written at an older (or the same) position, so a replay of older changes never
-//! overwrites a newer document. (A document deleted later can come back if changes older than
-//! its delete are replayed without the delete: deletes leave no tombstone.)
+//! overwrites a newer document.
+//!
+//! **Tombstones.** A delete also records, in the same statement, the position that deleted the
+//! document in `{schema}.refract_tombstones (target, id, position, deleted_at)`; an upsert older
+//! than its document's tombstone is refused in its own statement, so replaying changes older
+//! than a delete (at-least-once after a crash) never brings the document back. At open, the
+//! tombstones of this sink's tables that are older than both the checkpoint the run resumes from
+//! (no replay reaches behind it) and `tombstone_retention_ms` are pruned.
 
 use std::collections::HashSet;
 
 use async_trait::async_trait;
-use refract_schemas::config::{PostgresSinkConfig, mask_url};
+use refract_schemas::config::{POSTGRES_TOMBSTONES_TABLE, PostgresSinkConfig, mask_url};
 use refract_schemas::write::{DocumentOp, OpFamily};
 use refract_schemas::{Checkpoint, Position};
 
@@ -90,7 +96,21 @@ impl PostgresSink {
         format!(
             "{}.{}",
             quote(&self.config.schema),
-            quote(&self.config.table.replace("{collection}", collection))
+            quote(&self.target(collection))
+        )
+    }
+
+    /// The unqualified table name of `collection`, as the tombstones name their target.
+    fn target(&self, collection: &str) -> String {
+        self.config.table.replace("{collection}", collection)
+    }
+
+    /// The tombstones table, qualified and quoted.
+    fn tombstones(&self) -> String {
+        format!(
+            "{}.{}",
+            quote(&self.config.schema),
+            quote(POSTGRES_TOMBSTONES_TABLE)
         )
     }
 
@@ -183,10 +203,21 @@ fn is_data_error(e: &tokio_postgres::Error) -> bool {
 }
 
 impl PostgresSink {
-    /// Creates the table of `collection` in this batch unless it exists already.
-    fn ensure(&self, sql: &mut BatchSql, collection: &str) {
+    /// Creates the table of `collection` in this batch unless it exists already; refuses a
+    /// collection whose table would be the tombstones table.
+    fn ensure(&self, sql: &mut BatchSql, collection: &str) -> Result<(), SinkError> {
         if self.ready.contains(collection) || sql.creates.iter().any(|(c, ..)| c == collection) {
-            return;
+            return Ok(());
+        }
+        if self.target(collection) == POSTGRES_TOMBSTONES_TABLE {
+            return Err(SinkError::Permanent {
+                sink: self.name.clone(),
+                message: format!(
+                    "collection `{collection}` would be written to `{POSTGRES_TOMBSTONES_TABLE}`, \
+                     the table of the sink's tombstones: rename the collection or change `table`"
+                ),
+                source: None,
+            });
         }
         let table = self.table(collection);
         let create = format!(
@@ -194,33 +225,43 @@ impl PostgresSink {
              source_position text COLLATE \"C\" NOT NULL, updated_at timestamptz NOT NULL DEFAULT now())"
         );
         sql.creates.push((collection.to_owned(), table, create));
+        Ok(())
     }
 
     /// The SQL of `ops`: per segment between truncates, the winning upserts of each collection
     /// as multi-row statements, then its deletes, then the truncate.
-    fn batch_sql(&self, ops: &[&DocumentOp], report: &mut WriteReport) -> BatchSql {
+    fn batch_sql(
+        &self,
+        ops: &[&DocumentOp],
+        report: &mut WriteReport,
+    ) -> Result<BatchSql, SinkError> {
         let mut sql = BatchSql::default();
+        let tombstones = self.tombstones();
         for segment in segments(ops) {
             report.coalesced += segment.coalesced;
             for (collection, winners) in by_collection(&segment.winners) {
-                self.ensure(&mut sql, collection);
-                let table = self.table(collection);
+                self.ensure(&mut sql, collection)?;
+                let guard = Guard {
+                    table: self.table(collection),
+                    tombstones: &tombstones,
+                    target: self.target(collection),
+                };
                 let (upserts, deletes): (Vec<Keyed<'_>>, Vec<Keyed<'_>>) = winners
                     .into_iter()
                     .partition(|op| matches!(op, Keyed::Upsert { .. }));
                 report.upserted += upserts.len() as u64;
                 report.deleted += deletes.len() as u64;
                 for chunk in upserts.chunks(self.config.rows_per_statement) {
-                    sql.statements.push(upsert_statement(&table, chunk));
+                    sql.statements.push(upsert_statement(&guard, chunk));
                 }
                 if !deletes.is_empty() {
-                    sql.statements.push(delete_statement(&table, &deletes));
+                    sql.statements.push(delete_statement(&guard, &deletes));
                 }
             }
             // Every document older than the truncate goes (a DELETE, not TRUNCATE, so that a
             // replayed truncate spares documents written after it).
             if let Some(truncate) = segment.truncate {
-                self.ensure(&mut sql, truncate.collection);
+                self.ensure(&mut sql, truncate.collection)?;
                 report.deleted += 1;
                 sql.statements.push(Statement {
                     sql: format!(
@@ -232,7 +273,7 @@ impl PostgresSink {
                 });
             }
         }
-        sql
+        Ok(sql)
     }
 
     /// Applies `sql` in one transaction; after a data error, again row by row, rejecting the
@@ -348,6 +389,65 @@ fn refusal(row: &RowRef, e: &tokio_postgres::Error) -> RejectedOp {
     }
 }
 
+impl PostgresSink {
+    /// Creates the tombstones table when missing, then prunes the tombstones of this sink's
+    /// tables older than both `resume` and the retention, in one transaction.
+    async fn prepare_tombstones(&mut self, resume: &Checkpoint) -> Result<(), SinkError> {
+        let schema_name = self.config.schema.clone();
+        let tombstones = self.tombstones();
+        let create = format!(
+            "CREATE TABLE IF NOT EXISTS {tombstones} (target text COLLATE \"C\" NOT NULL, \
+             id text NOT NULL, position text COLLATE \"C\" NOT NULL, \
+             deleted_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (target, id))"
+        );
+        let creates = [(String::new(), tombstones.clone(), create)];
+        // No replay reaches behind the lowest position the run resumes from.
+        let horizon = resume.values().min().map(|o| o.sortable());
+        let targets = like_pattern(&self.config.table);
+        let retention_s = self.config.tombstone_retention_ms as f64 / 1000.0;
+        let name = self.name.clone();
+        let Some(client) = self.client.as_mut() else {
+            return Err(SinkError::not_open(&self.name));
+        };
+        let result: Result<(), (String, tokio_postgres::Error)> = async {
+            let tx = client
+                .transaction()
+                .await
+                .map_err(|e| ("cannot begin a transaction".to_owned(), e))?;
+            create_missing(&tx, &schema_name, &creates).await?;
+            if let Some(horizon) = &horizon {
+                let prune = format!(
+                    "DELETE FROM {tombstones} WHERE target LIKE $1 AND position <= $2 \
+                     AND deleted_at < now() - make_interval(secs => $3)"
+                );
+                let pruned = tx
+                    .execute(&prune, &[&targets, horizon, &retention_s])
+                    .await
+                    .map_err(|e| ("cannot prune tombstones".to_owned(), e))?;
+                tracing::debug!(sink = %name, pruned, "tombstones pruned");
+            }
+            tx.commit()
+                .await
+                .map_err(|e| ("cannot commit the tombstones' pruning".to_owned(), e))
+        }
+        .await;
+        result.map_err(|(what, e)| self.classify(what, e))
+    }
+}
+
+/// A `LIKE` pattern matching every table the `table` template makes.
+fn like_pattern(template: &str) -> String {
+    template
+        .split("{collection}")
+        .map(|part| {
+            part.replace('\\', "\\\\")
+                .replace('%', "\\%")
+                .replace('_', "\\_")
+        })
+        .collect::<Vec<_>>()
+        .join("%")
+}
+
 /// `winners` grouped by collection, collections in order of first appearance, batch order kept
 /// within each.
 fn by_collection<'a>(winners: &[Keyed<'a>]) -> Vec<(&'a str, Vec<Keyed<'a>>)> {
@@ -362,8 +462,19 @@ fn by_collection<'a>(winners: &[Keyed<'a>]) -> Vec<(&'a str, Vec<Keyed<'a>>)> {
     out
 }
 
-/// One multi-row upsert of `chunk` into `table`, guarded by position.
-fn upsert_statement(table: &str, chunk: &[Keyed<'_>]) -> Statement {
+/// Where a collection's statements write, and the tombstones that guard them.
+struct Guard<'a> {
+    /// The collection's table, qualified and quoted.
+    table: String,
+    /// The tombstones table, qualified and quoted.
+    tombstones: &'a str,
+    /// The collection's table as its tombstones name it.
+    target: String,
+}
+
+/// One multi-row upsert of `chunk`, guarded by position: neither a newer row nor a newer
+/// tombstone is overwritten.
+fn upsert_statement(guard: &Guard<'_>, chunk: &[Keyed<'_>]) -> Statement {
     let (mut ids, mut docs, mut positions) = (Vec::new(), Vec::new(), Vec::new());
     for op in chunk {
         if let Keyed::Upsert {
@@ -375,30 +486,49 @@ fn upsert_statement(table: &str, chunk: &[Keyed<'_>]) -> Statement {
             positions.push(position.offset.sortable());
         }
     }
+    let Guard {
+        table,
+        tombstones,
+        target,
+    } = guard;
+    let targets = vec![target.clone(); ids.len()];
     Statement {
         sql: format!(
             "INSERT INTO {table} AS t (id, doc, source_position) \
              SELECT i, d::jsonb, p FROM unnest($1::text[], $2::text[], $3::text[]) AS u(i, d, p) \
+             WHERE NOT EXISTS (SELECT 1 FROM {tombstones} AS b \
+                 WHERE b.target = ($4::text[])[1] AND b.id = u.i AND b.position > u.p) \
              ON CONFLICT (id) DO UPDATE SET doc = excluded.doc, source_position = excluded.source_position, updated_at = now() \
              WHERE t.source_position <= excluded.source_position"
         ),
-        params: vec![ids, docs, positions],
+        params: vec![ids, docs, positions, targets],
         rows: chunk.iter().map(RowRef::of).collect(),
     }
 }
 
-/// One delete of `deletes` from `table`, guarded by position.
-fn delete_statement(table: &str, deletes: &[Keyed<'_>]) -> Statement {
+/// One delete of `deletes`, guarded by position, recording (or moving forward) each key's
+/// tombstone in the same statement.
+fn delete_statement(guard: &Guard<'_>, deletes: &[Keyed<'_>]) -> Statement {
+    let Guard {
+        table,
+        tombstones,
+        target,
+    } = guard;
     let (ids, positions) = deletes
         .iter()
         .map(|op| (op.key().to_owned(), op.position().offset.sortable()))
         .unzip();
+    let targets = vec![target.clone(); deletes.len()];
     Statement {
         sql: format!(
-            "DELETE FROM {table} AS t USING unnest($1::text[], $2::text[]) AS u(i, p) \
-             WHERE t.id = u.i AND t.source_position <= u.p"
+            "WITH u AS (SELECT * FROM unnest($1::text[], $2::text[]) AS u(i, p)), \
+             gone AS (DELETE FROM {table} AS t USING u WHERE t.id = u.i AND t.source_position <= u.p) \
+             INSERT INTO {tombstones} AS b (target, id, position) \
+             SELECT ($3::text[])[1], i, p FROM u \
+             ON CONFLICT (target, id) DO UPDATE SET position = excluded.position, deleted_at = now() \
+             WHERE b.position < excluded.position"
         ),
-        params: vec![ids, positions],
+        params: vec![ids, positions, targets],
         rows: deletes.iter().map(RowRef::of).collect(),
     }
 }
@@ -442,15 +572,16 @@ async fn create_missing(
 
 #[async_trait]
 impl Sink for PostgresSink {
-    async fn open(&mut self, _resume: &Checkpoint) -> Result<(), SinkError> {
-        self.connect().await
+    async fn open(&mut self, resume: &Checkpoint) -> Result<(), SinkError> {
+        self.connect().await?;
+        self.prepare_tombstones(resume).await
     }
 
     async fn write(&mut self, batch: &SinkBatch) -> Result<WriteReport, SinkError> {
         let ops = batch.intake::<Accepted>(&self.name)?;
         self.connect().await?;
         let mut report = WriteReport::default();
-        let sql = self.batch_sql(&ops, &mut report);
+        let sql = self.batch_sql(&ops, &mut report)?;
         for (op, upsert) in self.apply(&sql).await? {
             if upsert {
                 report.upserted -= 1;

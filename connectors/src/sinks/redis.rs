@@ -19,6 +19,13 @@
 //! - a document upsert / delete: `SET {collection}:{key} <json>` / delete it.
 //! - a document truncate: `SCAN MATCH {collection}:*` and delete what it finds.
 //!
+//! `cluster = true`: the URL is one node of a Redis Cluster. The client discovers the others and
+//! follows `MOVED`/`ASK`; each batch's commands are grouped by the hash slot of their key (a
+//! pipeline, and a multi-key delete, per slot; the slots' pipelines run concurrently), since
+//! Redis refuses a command or a pipeline whose keys span slots (`CROSSSLOT`). Keys of different
+//! slots have no order between them within a batch, which the delivery contract allows (order
+//! is per key); a truncate `SCAN`s every master.
+//!
 //! `fallback_file` (demos): when Redis does not answer at start, the commands are written to that
 //! file instead, one `redis-cli` line each, and the run's summary says so.
 
@@ -42,7 +49,7 @@ use tokio::time::Instant;
 use crate::intake::CacheOp;
 use crate::{Intake, Sink, SinkBatch, SinkError, WriteReport};
 use command::{Command, Step, glob_escape, quote, redis_key};
-use connection::{Connector, error, second_deletes, truncate};
+use connection::{Connector, by_slot, cluster_client, error, second_deletes, truncate};
 
 /// Batches of second deletes waiting for their delay; a full queue slows the first deletes down.
 const SECOND_DELETE_QUEUE: usize = 1024;
@@ -162,20 +169,28 @@ impl RedisSink {
             settings = settings.set_password(password);
         }
         let info = info.set_redis_settings(settings);
-        let client = match &self.config.tls_ca_file {
-            None => redis::Client::open(info).map_err(config_error)?,
+        let certificates = match &self.config.tls_ca_file {
+            None => None,
             Some(path) => {
                 let pem = std::fs::read(path).map_err(|e| SinkError::Permanent {
                     sink: self.name.clone(),
                     message: format!("cannot read tls_ca_file {path}: {e}"),
                     source: Some(Box::new(e)),
                 })?;
-                let certificates = redis::TlsCertificates {
+                Some(redis::TlsCertificates {
                     client_tls: None,
                     root_cert: Some(pem),
-                };
-                redis::Client::build_with_tls(info, certificates).map_err(config_error)?
+                })
             }
+        };
+        let client = match (self.config.cluster, certificates) {
+            (true, certificates) => cluster_client(info, certificates).map_err(config_error)?,
+            (false, None) => {
+                connection::Client::Single(redis::Client::open(info).map_err(config_error)?)
+            }
+            (false, Some(certificates)) => connection::Client::Single(
+                redis::Client::build_with_tls(info, certificates).map_err(config_error)?,
+            ),
         };
         let mut connector = Connector { client, conn: None };
         connector
@@ -345,7 +360,19 @@ impl RedisSink {
                 rest = &rest[1..];
                 continue;
             }
-            let (pipe, n) = self.pipeline(rest);
+            if connector.is_cluster() {
+                let n = rest
+                    .iter()
+                    .position(|s| matches!(s, Step::Truncate(_)))
+                    .unwrap_or(rest.len());
+                let pipes = self.slot_pipelines(&rest[..n]);
+                let result = connector.run_all(&pipes).await;
+                result.map_err(|e| self.error("pipelines failed", e))?;
+                rest = &rest[n..];
+                continue;
+            }
+            let refs: Vec<&Step<'_>> = rest.iter().collect();
+            let (pipe, n) = self.pipeline(&refs);
             connector
                 .run(&pipe)
                 .await
@@ -355,18 +382,34 @@ impl RedisSink {
         Ok(())
     }
 
+    /// The pipelines of `steps` (no truncate among them) on a cluster: the steps grouped by the
+    /// hash slot of their key, each group in pipelines of its own.
+    fn slot_pipelines(&self, steps: &[Step<'_>]) -> Vec<redis::Pipeline> {
+        let refs: Vec<&Step<'_>> = steps.iter().collect();
+        let mut pipes = Vec::new();
+        for group in by_slot(refs, |s| s.key()) {
+            let mut rest = &group[..];
+            while !rest.is_empty() {
+                let (pipe, n) = self.pipeline(rest);
+                pipes.push(pipe);
+                rest = &rest[n..];
+            }
+        }
+        pipes
+    }
+
     /// The pipeline of the commands that open `steps`: up to `pipeline_depth` commands, up to
     /// the next truncate, consecutive deletes sharing one command (`keys_per_command` keys
     /// each); with the number of steps it holds.
-    fn pipeline(&self, steps: &[Step<'_>]) -> (redis::Pipeline, usize) {
+    fn pipeline(&self, steps: &[&Step<'_>]) -> (redis::Pipeline, usize) {
         let depth = self.config.pipeline_depth;
         let mut pipe = redis::Pipeline::with_capacity(depth.min(steps.len()));
         let (mut n, mut commands) = (0, 0);
-        while let (Some(Step::Run(command)), true) = (steps.get(n), commands < depth) {
+        while let (Some(Step::Run(command)), true) = (steps.get(n).copied(), commands < depth) {
             if let Command::Delete(_) = command {
                 let mut cmd = redis::cmd(self.delete_command());
                 let mut keys = 0;
-                while let Some(Step::Run(Command::Delete(key))) = steps.get(n) {
+                while let Some(Step::Run(Command::Delete(key))) = steps.get(n).copied() {
                     if keys == self.config.keys_per_command {
                         break;
                     }

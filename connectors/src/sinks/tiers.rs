@@ -103,7 +103,7 @@ impl TiersSink {
         if self.redis.is_none() {
             let client =
                 crate::tiers::hot_client(&layout).map_err(|e| self.permanent(e.to_string()))?;
-            self.redis = Some(Connector { client, conn: None });
+            self.redis = Some(Connector::single(client));
         }
         if self.cold.is_none() {
             self.cold =

@@ -540,7 +540,12 @@ fn render_redis_sink(out: &mut String, loaded: &LoadedPipeline, name: &str, r: &
     };
     let _ = writeln!(
         out,
-        "writes `{name}` (redis): {} by {how}{second}, {} commands per round trip{auth}; unhealthy after {} ms of failures",
+        "writes `{name}` (redis{}): {} by {how}{second}, {} commands per round trip{auth}; unhealthy after {} ms of failures",
+        if r.cluster {
+            " cluster, keys grouped by hash slot"
+        } else {
+            ""
+        },
         shown(loaded, &format!("sinks.{name}.url"), &r.url),
         r.pipeline_depth,
         r.unhealthy_after_ms
@@ -588,11 +593,14 @@ fn render_postgres_sink(
     let _ = writeln!(
         out,
         "writes `{name}` (postgres): {} table {}.{} (id, doc jsonb, source_position; created when missing), \
-         one transaction per batch, {} documents per upsert, guarded by source position",
+         one transaction per batch, {} documents per upsert, guarded by source position and by \
+         tombstones in {}.refract_tombstones (kept at least {} ms)",
         shown(loaded, &format!("sinks.{name}.url"), &p.url),
         p.schema,
         p.table,
-        p.rows_per_statement
+        p.rows_per_statement,
+        p.schema,
+        p.tombstone_retention_ms
     );
 }
 

@@ -16,6 +16,18 @@ pub(super) enum Step<'a> {
     Truncate(String),
 }
 
+impl Step<'_> {
+    /// The key the step addresses (a truncate: its pattern).
+    pub(super) fn key(&self) -> &str {
+        match self {
+            Step::Run(Command::Delete(key) | Command::Set(key, _) | Command::Tombstone(key, _)) => {
+                key
+            }
+            Step::Truncate(pattern) => pattern,
+        }
+    }
+}
+
 /// What one keyed operation comes to in Redis.
 pub(super) enum Command<'a> {
     /// Delete the key (`UNLINK` or `DEL`).

@@ -29,6 +29,7 @@ fn config() -> RedisSinkConfig {
         password: None,
         tls_ca_file: None,
         command: RedisDeleteCommand::Unlink,
+        cluster: false,
         keys_per_command: 2,
         pipeline_depth: 3,
         second_delete_ms: 0,
@@ -257,4 +258,31 @@ async fn a_wrong_password_is_permanent() {
 fn escapes_globs_and_quotes() {
     assert_eq!(glob_escape("a*b?[c]\\"), "a\\*b\\?\\[c\\]\\\\");
     assert_eq!(quote("x\ny\u{1}"), "\"x\\ny\\x01\"");
+}
+
+#[test]
+fn keys_group_by_hash_slot_and_hash_tags_share_one() {
+    let keys = vec!["{user1}:a", "b", "{user1}:c", "b2", "foo{user1}"];
+    let groups = connection::by_slot(keys, |k| k);
+    assert!(groups.contains(&vec!["{user1}:a", "{user1}:c", "foo{user1}"]));
+    assert_eq!(groups.iter().map(Vec::len).sum::<usize>(), 5);
+    // `foo` and `{foo}bar`, as in the Redis Cluster specification.
+    let groups = connection::by_slot(vec!["foo", "{foo}bar", "{}foo"], |k| k);
+    assert_eq!(groups, vec![vec!["foo", "{foo}bar"], vec!["{}foo"]]);
+}
+
+#[test]
+fn masters_serving_slots_come_from_cluster_nodes() {
+    let text = "a1 127.0.0.1:7001@17001 myself,master - 0 0 1 connected 0-5460\n\
+                b2 127.0.0.1:7002@17002,host2 master - 0 0 2 connected 5461-10922\n\
+                c3 127.0.0.1:7003@17003 master,fail - 0 0 3 connected 10923-16383\n\
+                d4 127.0.0.1:7004@17004 slave a1 0 0 1 connected\n\
+                e5 127.0.0.1:7005@17005 master - 0 0 5 connected\n";
+    assert_eq!(
+        connection::parse_masters(text),
+        vec![
+            ("127.0.0.1".to_owned(), 7001),
+            ("127.0.0.1".to_owned(), 7002)
+        ]
+    );
 }

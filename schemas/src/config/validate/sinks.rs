@@ -5,8 +5,9 @@ use std::collections::BTreeMap;
 
 use super::{mask_url, object_store_url, range};
 use crate::config::{
-    KafkaSinkConfig, ObjectJsonSinkConfig, ParquetSinkConfig, PipelineFile, PostgresSinkConfig,
-    ProjectionConfig, RedisDeleteCommand, RedisSinkConfig, SinkConfig,
+    KafkaSinkConfig, ObjectJsonSinkConfig, POSTGRES_TOMBSTONES_TABLE, ParquetSinkConfig,
+    PipelineFile, PostgresSinkConfig, ProjectionConfig, RedisDeleteCommand, RedisSinkConfig,
+    SinkConfig,
 };
 
 /// Checks each sink in the order of its name.
@@ -18,7 +19,10 @@ pub(super) fn validate(problem: &mut impl FnMut(&str, String), file: &PipelineFi
             SinkConfig::ObjectJson(s) => object_json(problem, &base, s),
             SinkConfig::Redis(r) => redis(problem, &base, r),
             SinkConfig::Parquet(s) => parquet(problem, &base, s),
-            SinkConfig::Postgres(s) => postgres(problem, &base, s),
+            SinkConfig::Postgres(s) => {
+                postgres(problem, &base, s);
+                tombstones_apart(problem, &base, name, s, &file.projections);
+            }
             SinkConfig::Kafka(k) => kafka(problem, &base, k),
             SinkConfig::Tiers(t) => super::tiers::sink(problem, &base, name, t, file),
             SinkConfig::Migration(_) => {}
@@ -120,6 +124,12 @@ fn redis(problem: &mut impl FnMut(&str, String), base: &str, r: &RedisSinkConfig
             "a second delete would remove the tombstone: use one or the other".into(),
         );
     }
+    if r.cluster && (r.url.starts_with("unix://") || r.url.starts_with("redis+unix://")) {
+        problem(
+            &format!("{base}.cluster"),
+            "a Redis Cluster is reached over TCP: give one node's redis:// or rediss:// URL".into(),
+        );
+    }
     if r.fallback_file.as_deref() == Some("") {
         problem(&format!("{base}.fallback_file"), "must not be empty".into());
     }
@@ -191,6 +201,59 @@ fn postgres(problem: &mut impl FnMut(&str, String), base: &str, s: &PostgresSink
         1,
         100_000,
     );
+    range(
+        problem,
+        &format!("{base}.tombstone_retention_ms"),
+        s.tombstone_retention_ms,
+        1_000,
+        MAX_TOMBSTONE_RETENTION_MS,
+    );
+}
+
+/// Longest tombstone retention: 100 years, past which the interval arithmetic means nothing.
+const MAX_TOMBSTONE_RETENTION_MS: u64 = 100 * 365 * 86_400_000;
+
+/// `kind = "postgres"`: no read-model table may be the sink's tombstones table, whether the
+/// `table` field names it or a collection written to the sink makes it (collections known only
+/// at run time, a replica's `{table}`, are refused by the sink itself).
+fn tombstones_apart(
+    problem: &mut impl FnMut(&str, String),
+    base: &str,
+    name: &str,
+    s: &PostgresSinkConfig,
+    projections: &BTreeMap<String, ProjectionConfig>,
+) {
+    let collections: Vec<&str> = if s.table.contains("{collection}") {
+        projections
+            .values()
+            .filter(|p| p.sinks().iter().any(|sink| sink == name))
+            .filter_map(|p| match p {
+                ProjectionConfig::Document(d) => d.collection.as_deref(),
+                ProjectionConfig::Replica(r) if !r.collection.contains('{') => Some(&r.collection),
+                _ => None,
+            })
+            .collect()
+    } else {
+        vec![""]
+    };
+    if let Some(c) = collections
+        .into_iter()
+        .find(|c| s.table.replace("{collection}", c) == POSTGRES_TOMBSTONES_TABLE)
+    {
+        let by = if c.is_empty() {
+            String::new()
+        } else {
+            format!(" for collection `{c}`")
+        };
+        problem(
+            &format!("{base}.table"),
+            format!(
+                "`{}`{by} is `{POSTGRES_TOMBSTONES_TABLE}`, the table where the sink keeps its \
+                 tombstones: choose another table name or collection",
+                s.table
+            ),
+        );
+    }
 }
 
 /// librdkafka settings the Kafka sink sets itself: its delivery contract (idempotent, every

@@ -643,6 +643,33 @@ fn each_rule_names_its_field() {
             "sinks.docs_db.rows_per_statement",
             "must be between 1 and 100000, found 100001",
         ),
+        (
+            "tombstone_retention_ms",
+            sink("docs_db", "tombstone_retention_ms = 999"),
+            "sinks.docs_db.tombstone_retention_ms",
+            "must be between 1000 and 3153600000000, found 999",
+        ),
+        (
+            "postgres sink table named like the tombstones",
+            sink("docs_db", "table = \"refract_tombstones\""),
+            "sinks.docs_db.table",
+            "`refract_tombstones` is `refract_tombstones`, the table where the sink keeps its tombstones",
+        ),
+        (
+            "a collection making the tombstones table",
+            edit(&[
+                (
+                    "[sinks.docs_db]\n",
+                    "[sinks.docs_db]\ntable = \"refract_{collection}\"\n",
+                ),
+                (
+                    "table = \"public.books\"",
+                    "table = \"public.books\"\ncollection = \"tombstones\"",
+                ),
+            ]),
+            "sinks.docs_db.table",
+            "`refract_{collection}` for collection `tombstones` is `refract_tombstones`",
+        ),
     ];
     for (name, text, path, words) in &cases {
         let found = problems(text);
