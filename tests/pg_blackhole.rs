@@ -159,6 +159,23 @@ fn a_network_black_hole_is_noticed_and_the_stream_resumes_without_loss() {
         hole().as_secs(),
         daemon_log()
     );
+    let source_gauge = |value: &'static str| {
+        let series = format!("source=\"pg:refract_{name}\"");
+        move |code: u16, body: &str| {
+            code == 200
+                && body.lines().any(|l| {
+                    l.starts_with("refract_source_healthy{")
+                        && l.contains(&series)
+                        && l.ends_with(value)
+                })
+        }
+    };
+    let (metrics, exported) =
+        poll_status(&status, "/metrics", started + hole(), source_gauge(" 0"));
+    assert!(
+        exported,
+        "refract_source_healthy 0 in the black hole: {metrics:?}"
+    );
     assert!(
         daemon.child().try_wait().unwrap().is_none(),
         "the daemon keeps running through the black hole"
@@ -185,6 +202,13 @@ fn a_network_black_hole_is_noticed_and_the_stream_resumes_without_loss() {
             c == 200
         });
     assert!(healthy, "healthy again: {answer:?}");
+    let (metrics, exported) = poll_status(
+        &status,
+        "/metrics",
+        Instant::now() + hang_guard(),
+        source_gauge(" 1"),
+    );
+    assert!(exported, "refract_source_healthy 1 after it: {metrics:?}");
     daemon.terminate();
     let exit = daemon.child().wait().unwrap();
     let text = daemon_log();

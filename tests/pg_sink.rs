@@ -265,3 +265,44 @@ fn an_older_upsert_replayed_after_a_delete_does_not_bring_the_document_back() {
     assert_eq!(after_replay, "0", "the deleted document came back");
     assert_eq!(tombstones, "items/7");
 }
+
+/// Several processes open sinks on one new schema at the same moment (the members of a
+/// scaled-out pipeline starting together): each creates the schema, the tombstones table and
+/// the read-model table if missing, and none fails because another created them first.
+#[test]
+fn sinks_opening_together_on_a_new_schema_all_create_it_without_failing() {
+    let schema = "refract_sink_together";
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("changes.jsonl");
+    let lines: Vec<String> = change_log(200, 5)
+        .into_iter()
+        .filter(|l| l.contains("\"table\":\"items\""))
+        .collect();
+    write_lines(&log, &lines);
+    let pipelines: Vec<_> = (0..6)
+        .map(|i| once_pipeline(dir.path(), &log, schema, &format!("member{i}")))
+        .collect();
+    for round in 0..3 {
+        psql(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"));
+        let runs: Vec<_> = pipelines
+            .iter()
+            .map(|p| {
+                let _ = std::fs::remove_dir_all(p.with_extension(""));
+                let mut cmd = refract();
+                cmd.arg("run").arg(p);
+                std::thread::spawn(move || output(&mut cmd))
+            })
+            .collect();
+        for run in runs {
+            let run = run.join().unwrap();
+            assert!(
+                run.status.success(),
+                "round {round}: {}",
+                String::from_utf8_lossy(&run.stderr)
+            );
+        }
+    }
+    let count = psql(&format!("SELECT count(*) FROM {schema}.items"));
+    psql(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"));
+    assert_eq!(count, expected_state(&lines).len().to_string());
+}

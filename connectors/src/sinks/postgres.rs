@@ -551,7 +551,7 @@ async fn create_missing(
         .is_some();
     if !exists {
         let schema = quote(schema_name);
-        tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
+        create_racing(tx, &format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
             .await
             .map_err(|e| (format!("cannot create schema {schema}"), e))?;
     }
@@ -562,12 +562,45 @@ async fn create_missing(
             .map_err(|e| ("cannot look up a read-model table".to_owned(), e))?
             .get(0);
         if !exists {
-            tx.batch_execute(create)
+            create_racing(tx, create)
                 .await
                 .map_err(|e| (format!("cannot create a read-model table ({create})"), e))?;
         }
     }
     Ok(())
+}
+
+/// Runs `create` (`CREATE … IF NOT EXISTS`) in a savepoint. Two processes creating the same
+/// object at once (the members of a scaled-out pipeline opening together) both pass `IF NOT
+/// EXISTS`; the second then fails on the catalog's unique index (23505) or finds the object
+/// (42P07, 42P06) once the first commits. The object exists then, which is all that was asked:
+/// that failure is rolled back to the savepoint and the transaction goes on.
+async fn create_racing(
+    tx: &tokio_postgres::Transaction<'_>,
+    create: &str,
+) -> Result<(), tokio_postgres::Error> {
+    use tokio_postgres::error::SqlState;
+    tx.batch_execute("SAVEPOINT refract_create").await?;
+    match tx.batch_execute(create).await {
+        Ok(()) => tx.batch_execute("RELEASE SAVEPOINT refract_create").await,
+        Err(e)
+            if e.code().is_some_and(|c| {
+                [
+                    SqlState::UNIQUE_VIOLATION,
+                    SqlState::DUPLICATE_TABLE,
+                    SqlState::DUPLICATE_SCHEMA,
+                ]
+                .contains(c)
+            }) =>
+        {
+            tracing::debug!(error = %e, "created concurrently by another process");
+            tx.batch_execute(
+                "ROLLBACK TO SAVEPOINT refract_create; RELEASE SAVEPOINT refract_create",
+            )
+            .await
+        }
+        Err(e) => Err(e),
+    }
 }
 
 #[async_trait]

@@ -77,6 +77,17 @@ impl Health {
         (healthy, source, sinks)
     }
 
+    /// Sets the source's health gauge from its report now (once the source has started).
+    fn export_source_gauge(&self) {
+        if let Some(report) = lock(&self.source).as_ref().map(SourceHealth::report) {
+            super::metrics::source_healthy(&report.name).set(if report.healthy {
+                1.0
+            } else {
+                0.0
+            });
+        }
+    }
+
     /// What the run still waits for before it is ready: the source, targets not open yet.
     fn starting(&self) -> Vec<String> {
         let mut waiting = Vec::new();
@@ -123,7 +134,12 @@ pub(crate) async fn serve(addr: &str, pipeline: &str, health: Arc<Health>) {
     let app = Router::new()
         .route(
             "/metrics",
-            get(|State((m, _)): State<(PrometheusHandle, Arc<Health>)>| async move { m.render() }),
+            get(
+                |State((m, health)): State<(PrometheusHandle, Arc<Health>)>| async move {
+                    health.export_source_gauge();
+                    m.render()
+                },
+            ),
         )
         .route("/health", get(health_route))
         .route("/ready", get(ready_route))
