@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::SinkError;
 use crate::sinks::local_files::{LocalStore, SyncSet, create_dir_all_durably, sync_path};
-use crate::sinks::object_json::open_store;
+use crate::sinks::object_json::open_store_unsynced;
 
 /// Where in the pipeline the input was rejected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -205,7 +205,7 @@ impl DeadLetterStore {
 
     /// Opens an object-store prefix.
     pub fn open_url(url: &str) -> Result<Self, SinkError> {
-        let (store, root) = open_store(url).map_err(|message| SinkError::Permanent {
+        let (store, root) = open_store_unsynced(url).map_err(|message| SinkError::Permanent {
             sink: "dead_letter".into(),
             message: format!(
                 "cannot open `{}`: {message}",

@@ -8,6 +8,10 @@
 //! that published a file, the unlink that deleted one), and, the first time a directory is seen,
 //! its ancestors up to the store's root (a directory created by the write is an entry of its
 //! parent).
+//!
+//! Writers of few, large files need none of that bookkeeping: the store
+//! [`open_store`](crate::sinks::object_json::open_store) gives them on `file://` syncs each write
+//! before it returns ([`SyncedLocalStore`]).
 
 use std::collections::{BTreeSet, HashSet};
 use std::io;
@@ -15,6 +19,9 @@ use std::path::{Path, PathBuf};
 
 use futures::{StreamExt, TryStreamExt, stream};
 use object_store::path::Path as ObjectPath;
+
+mod synced;
+pub(crate) use synced::SyncedLocalStore;
 
 /// Most files synced at once: enough to keep a disk's queue full, few enough not to crowd tokio's
 /// blocking pool (other sinks' blocking work shares it).

@@ -27,7 +27,7 @@ use refract_schemas::write::{DocumentOp, OpFamily};
 use url::Url;
 
 use crate::sinks::documents::{Keyed, segments};
-use crate::sinks::local_files::{LocalStore, SyncSet};
+use crate::sinks::local_files::{LocalStore, SyncSet, SyncedLocalStore};
 use crate::{Intake, RejectedOp, Sink, SinkBatch, SinkError, WriteReport};
 
 /// Longest object name: the limit of common local file systems (ext4, xfs), and well within
@@ -280,8 +280,22 @@ pub(crate) fn classify(sink: &str, message: String, e: object_store::Error) -> S
     }
 }
 
-/// Builds an object store from a URL, taking cloud credentials from the environment.
+/// Builds an object store from a URL, taking cloud credentials from the environment. On
+/// `file://` every write is durable when it returns (see
+/// [`SyncedLocalStore`](crate::sinks::local_files::SyncedLocalStore)); cloud stores are durable
+/// when a PUT returns.
 pub fn open_store(url: &str) -> Result<(Arc<dyn ObjectStore>, Path), String> {
+    let (store, root) = open_store_unsynced(url)?;
+    if !url.starts_with("file://") {
+        return Ok((store, root));
+    }
+    let synced = SyncedLocalStore::new(&root).map_err(|e| e.to_string())?;
+    Ok((Arc::new(synced), root))
+}
+
+/// [`open_store`] without syncing on `file://`: for writers that sync what they wrote together
+/// ([`SyncSet`]), many small files at a time.
+pub(crate) fn open_store_unsynced(url: &str) -> Result<(Arc<dyn ObjectStore>, Path), String> {
     let parsed = Url::parse(url).map_err(|e| format!("invalid URL: {e}"))?;
     // Builders accept lower-case config keys (`aws_access_key_id`, `azure_storage_account_name`, ...).
     let options = std::env::vars().filter_map(|(k, v)| {
@@ -323,7 +337,7 @@ pub(crate) fn remove_local_staging_files(dir: &std::path::Path) -> std::io::Resu
 impl Sink for ObjectJsonSink {
     async fn open(&mut self, _resume: &Checkpoint) -> Result<(), SinkError> {
         let (store, root) =
-            open_store(&self.config.url).map_err(|message| SinkError::Permanent {
+            open_store_unsynced(&self.config.url).map_err(|message| SinkError::Permanent {
                 sink: self.name.clone(),
                 message: format!(
                     "cannot open `{}`: {message}",

@@ -351,19 +351,6 @@ impl ParquetSink {
             put(&*store, &ready.path, ready.bytes.clone())
                 .await
                 .map_err(|e| classify(&self.name, format!("cannot publish {}", ready.path), e))?;
-            if self.config.url.starts_with("file://") {
-                // The local backend renames a temporary file into place without fsync: sync the
-                // file and its directory, so a power loss cannot take a checkpointed file back.
-                let local = std::path::Path::new("/").join(ready.path.as_ref());
-                tokio::task::spawn_blocking(move || sync_file_and_dir(&local))
-                    .await
-                    .expect("sync task")
-                    .map_err(|e| SinkError::Transient {
-                        sink: self.name.clone(),
-                        message: format!("cannot sync {}", ready.path),
-                        source: Some(Box::new(e)),
-                    })?;
-            }
             tracing::debug!(sink = %self.name, path = %ready.path, bytes = ready.bytes.len(), "published a change-log file");
             self.metrics.published.increment(1);
             self.ready.remove(0);
