@@ -1,9 +1,12 @@
 """Reads a Parquet sink's output with pyarrow (an independent reader) for the end-to-end tests.
 
 Usage: python3 tests/parquet_read.py OUT_DIR
+       python3 tests/parquet_read.py --history OUT_DIR TABLE KEY_COLUMN KEY...
 Prints JSON: per table, the current state's rows and column types, each change-log file's
 columns, row count and schema version, and how many change rows (position and key) appear more
 than once; plus every visible .parquet file whose footer pyarrow cannot read.
+With --history: every change-log row and current row of the given keys, as text lines (what a
+failing test reports).
 """
 import datetime
 import glob
@@ -59,4 +62,31 @@ def main(out):
     json.dump(result, sys.stdout)
 
 
-main(sys.argv[1])
+def history(out, table, key_column, keys):
+    wanted = set(keys)
+    lines = []
+    for path in sorted(glob.glob(os.path.join(out, table, "changes", "*", "*.parquet"))):
+        rows = pq.read_table(path, columns=["_position", "_op", key_column]).to_pylist()
+        lines += [
+            f"  {r[key_column]} {r['_position']} {r['_op']} in {os.path.relpath(path, out)}"
+            for r in rows
+            if r[key_column] in wanted
+        ]
+    lines.sort(key=lambda line: line.split()[:2])
+    current = os.path.join(out, table, "current", "part-0.parquet")
+    if os.path.exists(current):
+        t = pq.read_table(current)
+        lines += [
+            f"  {r[key_column]} current: {dict((k, plain(v)) for k, v in r.items())}"
+            for r in t.to_pylist()
+            if r[key_column] in wanted
+        ]
+        meta = t.schema.metadata or {}
+        lines.append(f"  current/ merged through {meta.get(b'refract.merged_through', b'?').decode()}")
+    print("\n".join(lines))
+
+
+if sys.argv[1] == "--history":
+    history(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
+else:
+    main(sys.argv[1])

@@ -118,6 +118,25 @@ pub fn file_pipeline(
     pipeline
 }
 
+/// Every change-log row and current row of `keys` in `table` (keyed by `key_column`), one per
+/// line, sorted by key and position: what a failing test reports.
+pub fn history(out: &Path, table: &str, key_column: &str, keys: &[&String]) -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/parquet_read.py");
+    let run = Command::new("python3")
+        .arg(script)
+        .args(["--history"])
+        .arg(out)
+        .args([table, key_column])
+        .args(keys.iter().map(|k| k.as_str()))
+        .output()
+        .expect("python3 runs");
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    )
+}
+
 /// Runs `refract compact PIPELINE`, which must succeed.
 pub fn compact(pipeline: &Path) {
     let run = output(refract().arg("compact").arg(pipeline));
