@@ -25,17 +25,36 @@ pub(super) fn drain_prefix(
     prefix: &[u8],
     each: &mut dyn FnMut(&mut dyn StateStore, &[u8]) -> Result<(), ProjectionError>,
 ) -> Result<(), ProjectionError> {
+    drain_some(store, prefix, usize::MAX, each).map(drop)
+}
+
+/// Hands the first `limit` keys (at least one) under `prefix` to `each`, which must remove the
+/// key it is given, [`CHUNK`] keys per scan of the store; returns whether keys remain.
+pub(super) fn drain_some(
+    store: &mut dyn StateStore,
+    prefix: &[u8],
+    limit: usize,
+    each: &mut dyn FnMut(&mut dyn StateStore, &[u8]) -> Result<(), ProjectionError>,
+) -> Result<bool, ProjectionError> {
+    let mut left = limit.max(1);
     loop {
-        let mut keys = Vec::new();
+        let take = left.min(CHUNK);
+        let mut keys = Vec::with_capacity(take);
+        let mut more = false;
         store.scan_prefix(prefix, &mut |k, _| {
+            if keys.len() == take {
+                more = true;
+                return false;
+            }
             keys.push(k.to_vec());
-            keys.len() < CHUNK
+            true
         })?;
-        if keys.is_empty() {
-            return Ok(());
-        }
+        left -= keys.len();
         for key in keys {
             each(store, &key)?;
+        }
+        if !more || left == 0 {
+            return Ok(more);
         }
     }
 }
