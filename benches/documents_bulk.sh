@@ -33,8 +33,11 @@ export PG_URL=$pg_url
 unset TARGET_PG_URL
 work=${BENCH_DIR:-$(mktemp -d)}
 mkdir -p "$work"
-pgbench_bench_setup
-refract=${REFRACT_BIN:-$refract}
+[ -x /usr/bin/time ] || { apt-get update -qq && apt-get install -y -qq time; }
+[ -n "${REFRACT_BIN:-}" ] || cargo build --release --locked -q -p refract
+target=${CARGO_TARGET_DIR:-target}
+refract=${REFRACT_BIN:-$target/release/refract}
+sql() { psql "$pg_url" -X -q -v ON_ERROR_STOP=1 -Atc "$1"; }
 schema=bench_bulk
 cleanup() {
     sql "SET client_min_messages = warning;
