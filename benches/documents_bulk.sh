@@ -20,7 +20,8 @@
 # Usage: benches/documents_bulk.sh
 #        BOOKS (default 2000000; 40000 with CI=true), RENAME_BOOKS (default BOOKS/2),
 #        PG_URL (default postgres://postgres@127.0.0.1:5432/refract), BENCH_DIR (keeps the
-#        state and logs), REFRACT_BIN (another refract binary to measure, e.g. an older build)
+#        state and logs), REFRACT_BIN (another refract binary to measure, e.g. an older build),
+#        BENCH_SCHEMA (default bench_bulk: the schema, pipeline and slot name)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benches/common.sh
@@ -38,7 +39,7 @@ mkdir -p "$work"
 target=${CARGO_TARGET_DIR:-target}
 refract=${REFRACT_BIN:-$target/release/refract}
 sql() { psql "$pg_url" -X -q -v ON_ERROR_STOP=1 -Atc "$1"; }
-schema=bench_bulk
+schema=${BENCH_SCHEMA:-bench_bulk}
 cleanup() {
     sql "SET client_min_messages = warning;
          SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = 'refract_$schema';

@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use common::documents::{catch_up, fresh_schema, pipeline_file, shipped_pipeline, verify};

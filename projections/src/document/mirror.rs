@@ -18,12 +18,15 @@ use crate::state::{StateError, StateStore};
 /// held in memory between two scans of the store.
 const CHUNK: usize = 512;
 
+/// What a drain does with each key it hands out (it must remove the key).
+type EachKey<'a> = dyn FnMut(&mut dyn StateStore, &[u8]) -> Result<(), ProjectionError> + 'a;
+
 /// Hands every key under `prefix` to `each`, [`CHUNK`] keys per scan of the store. `each` must
 /// remove the key it is given (or the scans never end).
 pub(super) fn drain_prefix(
     store: &mut dyn StateStore,
     prefix: &[u8],
-    each: &mut dyn FnMut(&mut dyn StateStore, &[u8]) -> Result<(), ProjectionError>,
+    each: &mut EachKey<'_>,
 ) -> Result<(), ProjectionError> {
     drain_some(store, prefix, usize::MAX, each).map(drop)
 }
@@ -34,7 +37,7 @@ pub(super) fn drain_some(
     store: &mut dyn StateStore,
     prefix: &[u8],
     limit: usize,
-    each: &mut dyn FnMut(&mut dyn StateStore, &[u8]) -> Result<(), ProjectionError>,
+    each: &mut EachKey<'_>,
 ) -> Result<bool, ProjectionError> {
     let mut left = limit.max(1);
     loop {
