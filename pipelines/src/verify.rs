@@ -16,7 +16,7 @@ use std::fmt::Write as _;
 
 use refract_connectors::SourceError;
 use refract_connectors::sources::postgres::tables::{TableReader, read_documents};
-use refract_projections::{DocumentOp, WriteOp};
+use refract_projections::{DocumentOp, Emission, WriteOp};
 use refract_schemas::config::{LoadedPipeline, ProjectionConfig, SinkConfig, SourceConfig};
 use refract_schemas::{Checkpoint, Position};
 use serde_json::Value;
@@ -341,7 +341,8 @@ async fn recompute(
 }
 
 /// Emits what the projection buffered, applies its operations to `expected` and makes the
-/// scratch state durable (its overlay stays small).
+/// scratch state durable, [`ROWS_PER_STEP`] documents at a time (the overlay and the operations
+/// stay small however many documents are buffered).
 fn step(
     projection: &mut dyn refract_projections::Projection,
     keyed: Option<&KeyedState>,
@@ -349,11 +350,27 @@ fn step(
     ops: &mut Vec<WriteOp>,
     expected: &mut Expected,
 ) -> Result<(), String> {
-    if let Some(position) = last {
-        projection
-            .end_transaction(position, ops)
-            .map_err(|e| e.to_string())?;
+    loop {
+        let emission = match last {
+            Some(position) => projection
+                .end_transaction(position, ROWS_PER_STEP as usize, ops)
+                .map_err(|e| e.to_string())?,
+            None => Emission::Done,
+        };
+        apply_expected(ops, expected);
+        if let Some(keyed) = keyed {
+            keyed
+                .commit(Vec::new(), &Checkpoint::new())
+                .map_err(|e| e.to_string())?;
+        }
+        if emission == Emission::Done {
+            return Ok(());
+        }
     }
+}
+
+/// Applies (and drains) `ops` to `expected`.
+fn apply_expected(ops: &mut Vec<WriteOp>, expected: &mut Expected) {
     for op in ops.drain(..) {
         // `verify` compares document read models; other families have nothing to compare.
         let WriteOp::Document(op) = op else { continue };
@@ -381,12 +398,6 @@ fn step(
             }
         }
     }
-    if let Some(keyed) = keyed {
-        keyed
-            .commit(Vec::new(), &Checkpoint::new())
-            .map_err(|e| e.to_string())?;
-    }
-    Ok(())
 }
 
 /// The top-level fields in which two documents differ, as `field: expected …, found …`.

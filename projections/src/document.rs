@@ -13,7 +13,10 @@
 //! **Fan-out.** Each change marks the documents it reaches (a rename of an author marks every
 //! book listing it); a change of columns the projection does not use marks nothing.
 //! [`Projection::end_transaction`] rebuilds each marked document from the mirror and emits it
-//! once per transaction: an upsert, or a delete when the root row is gone. Embedded children are
+//! once per transaction: an upsert, or a delete when the root row is gone. It does so in chunks
+//! of the size the runtime asks for, removing each document's mark as it emits it, so a
+//! transaction reaching a million documents never holds them at once; a crash in the middle
+//! rolls the marks back with the state. Embedded children are
 //! listed only when their row (and link row) exist; a child that arrives later marks the roots
 //! linking to it. A truncate of the root table empties the collection at once (the documents
 //! re-created later in the transaction follow it); a truncate of another table removes its
@@ -41,7 +44,7 @@ use refract_schemas::config::DocumentProjectionConfig;
 use refract_schemas::{ChangeEvent, Op, Position, TableId};
 
 use crate::state::StateStore;
-use crate::{DocumentOp, OpFamily, Projection, ProjectionError, WriteOp};
+use crate::{DocumentOp, Emission, OpFamily, Projection, ProjectionError, WriteOp};
 use shape::{Shape, document_key};
 
 /// The document projection.
@@ -157,16 +160,17 @@ impl Projection for DocumentProjection {
         self.checked = false;
     }
 
-    /// Rebuilds every document marked dirty, in key order, and clears the marks.
+    /// Rebuilds up to `limit` documents marked dirty, in key order, and clears their marks.
     fn end_transaction(
         &mut self,
         position: &Position,
+        limit: usize,
         out: &mut Vec<WriteOp>,
-    ) -> Result<(), ProjectionError> {
+    ) -> Result<Emission, ProjectionError> {
         self.store()?;
         let store = self.store.as_deref_mut().expect("checked above");
         let (shape, collection) = (&self.shape, &self.collection);
-        mirror::drain_prefix(store, &[keys::DIRTY], &mut |store, mark| {
+        let more = mirror::drain_some(store, &[keys::DIRTY], limit, &mut |store, mark| {
             let id = keys::components(&mark[1..])?;
             let key = document_key(&id);
             out.push(WriteOp::Document(
@@ -185,6 +189,7 @@ impl Projection for DocumentProjection {
                 },
             ));
             Ok(store.remove(mark)?)
-        })
+        })?;
+        Ok(if more { Emission::More } else { Emission::Done })
     }
 }

@@ -104,13 +104,35 @@ pub trait Projection: Send {
     /// it touched) are appended now, once per transaction, with `position` (the transaction's
     /// end). The runtime calls it after each transaction END marker, and after each event that
     /// belongs to no marked transaction.
+    ///
+    /// **Bounded, in chunks.** One call appends at most `limit` operations (at least one when
+    /// anything is buffered) and returns [`Emission::More`] while effects remain buffered; the
+    /// runtime then calls again with the same `position` until [`Emission::Done`], and may cut
+    /// the batch between two calls, so one transaction reaching a million documents never holds
+    /// them all. Each call removes from the state what it emitted (a document projection's dirty
+    /// marks) in the same batch as the operations it appended. Crash safety rests on the
+    /// runtime: a batch cut between two calls does not advance the checkpoint, and its state
+    /// writes are undone at restart unless the batch that ends the emission is durable, so a
+    /// crash in the middle replays the transaction and emits every effect again (sink writes are
+    /// idempotent). A projection must therefore only emit what its state still buffers, never
+    /// remember in memory what an earlier call of the same emission did.
     fn end_transaction(
         &mut self,
         _position: &Position,
+        _limit: usize,
         _out: &mut Vec<WriteOp>,
-    ) -> Result<(), ProjectionError> {
-        Ok(())
+    ) -> Result<Emission, ProjectionError> {
+        Ok(Emission::Done)
     }
+}
+
+/// What [`Projection::end_transaction`] left buffered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Emission {
+    /// Nothing: the transaction's effects are all emitted.
+    Done,
+    /// Effects remain buffered: call again with the same position.
+    More,
 }
 
 /// The one place that turns projection configuration into projections: every kind is in this
@@ -150,6 +172,32 @@ pub fn emits(config: &ProjectionConfig) -> &'static [OpFamily] {
 pub(crate) mod test_support {
     use refract_schemas::debezium::DebeziumDecoder;
     use refract_schemas::{ChangeEvent, Offset, Position, Record};
+
+    use crate::{Emission, Projection, ProjectionError, WriteOp};
+
+    /// Ends a transaction as the runtime does: calls [`Projection::end_transaction`] with
+    /// `limit` until it is done, checking each call's bound; returns the number of calls.
+    pub(crate) fn end_all(
+        p: &mut dyn Projection,
+        position: &Position,
+        limit: usize,
+        out: &mut Vec<WriteOp>,
+    ) -> Result<usize, ProjectionError> {
+        let mut calls = 0;
+        loop {
+            let before = out.len();
+            let emission = p.end_transaction(position, limit, out)?;
+            calls += 1;
+            assert!(out.len() - before <= limit.max(1), "at most {limit} a call");
+            if emission == Emission::Done {
+                return Ok(calls);
+            }
+            assert!(
+                out.len() > before,
+                "a call that leaves more emits something"
+            );
+        }
+    }
 
     /// The change event of one Debezium envelope.
     pub(crate) fn event(line: serde_json::Value) -> ChangeEvent {

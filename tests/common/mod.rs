@@ -11,6 +11,7 @@ use serde_json::{Value, json};
 
 pub mod cache;
 pub mod db;
+pub mod documents;
 pub mod kafka;
 pub mod migrate;
 pub mod parquet;

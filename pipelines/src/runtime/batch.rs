@@ -1,6 +1,9 @@
 //! Batch assembly: the batch being filled (operations per sink, dead letters, where it ends in
 //! each partition) and the rules that cut it (event and byte limits, stretched inside a source
-//! transaction up to [`TRANSACTION_BATCH_FACTOR`] times, and the longest wait).
+//! transaction up to [`TRANSACTION_BATCH_FACTOR`] times, and the longest wait). Operations a
+//! projection emits at a transaction's end (documents) count as events: a transaction reaching
+//! a million documents leaves in batches of at most [`TRANSACTION_BATCH_FACTOR`] ×
+//! `max_events` events and documents ([`BatchLimits::emission_room`]).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -24,6 +27,8 @@ pub(super) struct Batch {
     pub(super) end: BTreeMap<Arc<str>, Offset>,
     /// Items read into the batch.
     pub(super) events: usize,
+    /// Operations projections emitted into it at a transaction's end (before routing to sinks).
+    pub(super) emitted: usize,
     /// Raw bytes of the items read into the batch.
     pub(super) bytes: usize,
     /// When its first item arrived.
@@ -38,14 +43,15 @@ impl Batch {
             letters: Vec::new(),
             end: BTreeMap::new(),
             events: 0,
+            emitted: 0,
             bytes: 0,
             started: None,
         }
     }
 
-    /// Whether no item was read into it.
+    /// Whether no item was read into it and nothing was emitted into it.
     pub(super) fn is_empty(&self) -> bool {
-        self.end.is_empty()
+        self.end.is_empty() && self.ops.iter().all(Vec::is_empty)
     }
 
     /// The next batch, with room for as many operations per sink as this one had: a steady
@@ -86,13 +92,24 @@ impl BatchLimits {
     /// transaction [`TRANSACTION_BATCH_FACTOR`] times the limits (memory stays bounded).
     pub(super) fn is_full(&self, batch: &Batch, in_transaction: bool) -> bool {
         let over = |factor: usize| {
-            batch.events >= self.max_events * factor || batch.bytes >= self.max_bytes * factor
+            batch.events + batch.emitted >= self.max_events * factor
+                || batch.bytes >= self.max_bytes * factor
         };
         if in_transaction {
             over(TRANSACTION_BATCH_FACTOR)
         } else {
             over(1)
         }
+    }
+
+    /// How many more operations a transaction's end may emit into `batch` before it must be
+    /// cut: [`TRANSACTION_BATCH_FACTOR`] times the event limit, less what the batch already
+    /// holds (events read and operations emitted); none once its bytes reach that factor.
+    pub(super) fn emission_room(&self, batch: &Batch) -> usize {
+        if batch.bytes >= self.max_bytes * TRANSACTION_BATCH_FACTOR {
+            return 0;
+        }
+        (self.max_events * TRANSACTION_BATCH_FACTOR).saturating_sub(batch.events + batch.emitted)
     }
 
     /// When `batch` is due although not full.

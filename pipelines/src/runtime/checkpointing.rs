@@ -9,7 +9,7 @@ use std::sync::Arc;
 use refract_connectors::dead_letter::{DeadLetter, Stage};
 use refract_connectors::{RejectedOp, SinkBatch, SinkError};
 use refract_schemas::config::OnError;
-use refract_schemas::{Checkpoint, Offset};
+use refract_schemas::{Checkpoint, Offset, Position};
 use tokio::sync::watch;
 
 use super::RunError;
@@ -104,18 +104,46 @@ impl Processor {
     pub(super) async fn dispatch(&mut self) -> Result<(), RunError> {
         // Changes outside marked transactions (a snapshot, a Kafka topic without transaction
         // metadata) take effect at the batch's end, together.
-        if !self.in_transaction {
-            if let Some(position) = self.last_position.take() {
-                self.end_transaction(&position)?;
-            }
+        if !self.in_transaction
+            && let Some(position) = self.last_position.take()
+        {
+            self.end_transaction(&position).await?;
         }
+        self.send_batch(None).await
+    }
+
+    /// Sends the current batch to its targets. `emitting`: the batch is cut in the middle of
+    /// the emission of a transaction ending at that position (`Processor::end_transaction`),
+    /// while state still holds some of its effects (dirty marks). Such a batch must not move
+    /// the checkpoint: a restart from there would find the transaction's end behind it and
+    /// never emit the rest. So it adds nothing to the checkpoint; its keyed state is tagged
+    /// with its end and `emitting` (undone at restart until the checkpoint covers the whole
+    /// transaction), and its end is carried into the next batch, which the emission's last
+    /// chunk ends. A crash in between rolls the state back to the checkpoint before the
+    /// transaction, whose replay emits everything again.
+    pub(super) async fn send_batch(&mut self, emitting: Option<&Position>) -> Result<(), RunError> {
         if self.batch.is_empty() {
             self.batch.started = None;
             return Ok(());
         }
         let next = self.batch.successor();
-        let batch = std::mem::replace(&mut self.batch, next);
-        self.save_state(&batch.end).await?;
+        let mut batch = std::mem::replace(&mut self.batch, next);
+        // What the keyed state's undo records are tagged with, and what the batch adds to the
+        // checkpoint.
+        let (state_end, end) = match emitting {
+            None => (batch.end.clone(), std::mem::take(&mut batch.end)),
+            Some(position) => {
+                let mut state_end = batch.end.clone();
+                let offset = state_end
+                    .entry(position.partition.clone())
+                    .or_insert(position.offset);
+                *offset = (*offset).max(position.offset);
+                self.batch.end = std::mem::take(&mut batch.end);
+                self.batch.started = batch.started;
+                (state_end, BTreeMap::new())
+            }
+        };
+        self.save_state(&state_end).await?;
         let seq = self.inflight.next_seq();
         let mut jobs: Vec<(usize, Job)> = Vec::new();
         for (target, ops) in batch.ops.into_iter().enumerate() {
@@ -132,7 +160,7 @@ impl Processor {
                 },
             ));
         }
-        self.inflight.dispatched(seq, batch.end, jobs.len());
+        self.inflight.dispatched(seq, end, jobs.len());
         for (target, job) in jobs {
             if self.job_txs[target].send(job).await.is_err() {
                 // The target's task ended: its failure is waiting in the ack channel.

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use refract_connectors::dead_letter::{DeadLetter, Stage};
 use refract_connectors::{Source, SourceItem};
-use refract_projections::{Projection, ProjectionError, WriteOp};
+use refract_projections::{Emission, Projection, ProjectionError, WriteOp};
 use refract_schemas::config::OnError;
 use refract_schemas::event::TxStatus;
 use refract_schemas::{ChangeEvent, Checkpoint, Position, Record};
@@ -118,6 +118,19 @@ impl Processor {
         // Items are handled in place (not moved out one by one: they are large), and the
         // chunk goes back to the source to be freed.
         for item in &mut items {
+            // A transaction's end emits what it buffered before its END marker is in the batch:
+            // a batch cut inside the emission never carries the END's position.
+            if let Some(end) = transaction_end(item)
+                && let Err(e) = self.end_transaction(&end).await
+            {
+                if matches!(
+                    e,
+                    RunError::ProjectionState { .. } | RunError::KeyedState(_)
+                ) {
+                    self.drain().await?;
+                }
+                return Err(e);
+            }
             if let Err(e) = self.process(item, now) {
                 // What came before bad input is written; after a state failure nothing more
                 // is (the batch is replayed).
@@ -189,9 +202,6 @@ impl Processor {
             Ok(Record::Transaction(t)) => {
                 self.summary.transactions += u64::from(t.status == TxStatus::End);
                 self.in_transaction = t.status == TxStatus::Begin;
-                if t.status == TxStatus::End {
-                    self.end_transaction(&t.position)?;
-                }
                 &t.position
             }
             Ok(Record::Change(event)) => {
@@ -267,21 +277,36 @@ impl Processor {
     }
 
     /// The end of a source transaction at `position`: projections emit what they buffered
-    /// (documents the transaction touched).
-    pub(super) fn end_transaction(&mut self, position: &Position) -> Result<(), RunError> {
+    /// (documents the transaction touched), in chunks that fill the batch up to
+    /// [`BatchLimits::emission_room`]; a full batch is cut between two chunks as part of the
+    /// emission ([`Processor::send_batch`]), so memory stays bounded however many documents the
+    /// transaction reaches.
+    pub(super) async fn end_transaction(&mut self, position: &Position) -> Result<(), RunError> {
         if self.keyed.is_none() {
             return Ok(());
         }
-        for route in &mut self.routes {
-            self.scratch.clear();
-            let result = route
-                .projection
-                .end_transaction(position, &mut self.scratch);
-            route_ops(&mut self.batch.ops, &route.sinks, &mut self.scratch);
-            result.map_err(|e| RunError::ProjectionState {
-                projection: route.name.clone(),
-                reason: e.to_string(),
-            })?;
+        for r in 0..self.routes.len() {
+            loop {
+                let room = self.limits.emission_room(&self.batch);
+                if room == 0 {
+                    self.send_batch(Some(position)).await?;
+                    continue;
+                }
+                let route = &mut self.routes[r];
+                self.scratch.clear();
+                let result = route
+                    .projection
+                    .end_transaction(position, room, &mut self.scratch);
+                self.batch.emitted += self.scratch.len();
+                route_ops(&mut self.batch.ops, &route.sinks, &mut self.scratch);
+                let emission = result.map_err(|e| RunError::ProjectionState {
+                    projection: route.name.clone(),
+                    reason: e.to_string(),
+                })?;
+                if emission == Emission::Done {
+                    break;
+                }
+            }
         }
         Ok(())
     }
@@ -307,6 +332,14 @@ impl Processor {
                 })
             }
         }
+    }
+}
+
+/// The position of `item` when it is a transaction's END marker.
+fn transaction_end(item: &SourceItem) -> Option<Position> {
+    match &item.record {
+        Ok(Record::Transaction(t)) if t.status == TxStatus::End => Some(t.position.clone()),
+        _ => None,
     }
 }
 

@@ -45,6 +45,9 @@ pub(super) struct Settings {
     /// The sinks the projection writes to (all `kind = "null"` in the file; the test hands in
     /// its own under these names).
     pub(super) sinks: &'static [&'static str],
+    /// A document projection (`{"id", "v"}` per row of `items`, emitted at each transaction's
+    /// end, its state in the keyed state store) instead of the replica.
+    pub(super) documents: bool,
 }
 
 impl Default for Settings {
@@ -54,6 +57,7 @@ impl Default for Settings {
             on_error: "dead_letter",
             queue_depth: 4,
             sinks: &["a"],
+            documents: false,
         }
     }
 }
@@ -65,8 +69,8 @@ pub(super) struct Pipeline {
 }
 
 impl Pipeline {
-    /// A replica of `public.items` into the settings' sinks; batches wait up to a minute for
-    /// more events (the tests' batches are cut by their size).
+    /// A replica (or documents) of `public.items` into the settings' sinks; batches wait up to a
+    /// minute for more events (the tests' batches are cut by their size).
     pub(super) fn new(settings: Settings) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let sinks: Vec<String> = settings.sinks.iter().map(|s| format!("{s:?}")).collect();
@@ -87,8 +91,7 @@ kind = "file"
 path = "unused.jsonl"
 
 [projections.replica]
-kind = "replica"
-tables = ["public.{TABLE}"]
+{projection}
 sinks = [{sinks}]
 "#,
             dir = dir.path().display().to_string(),
@@ -96,6 +99,14 @@ sinks = [{sinks}]
             queue_depth = settings.queue_depth,
             max_events = settings.max_events,
             sinks = sinks.join(", "),
+            projection = if settings.documents {
+                format!(
+                    "kind = \"document\"\ntable = \"public.{TABLE}\"\n\
+                     fields = [{{ name = \"id\", from = \"id\" }}, {{ name = \"v\", from = \"v\" }}]"
+                )
+            } else {
+                format!("kind = \"replica\"\ntables = [\"public.{TABLE}\"]")
+            },
         );
         for sink in settings.sinks {
             text.push_str(&format!("\n[sinks.{sink}]\nkind = \"null\"\n"));

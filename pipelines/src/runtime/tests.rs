@@ -389,3 +389,128 @@ async fn a_checkpoint_sent_before_the_checkpointer_first_runs_is_committed() {
     assert_eq!(*durable_rx.borrow(), through(5));
     assert_eq!(pipeline.committed(), through(5));
 }
+
+/// What each key holds in the end after `batches` are applied in order (runs one after the
+/// other: a replay rewrites what it rewrites).
+fn final_values(batches: &[Applied]) -> std::collections::BTreeMap<String, Option<i64>> {
+    history(batches)
+        .into_iter()
+        .map(|(key, values)| (key, *values.last().expect("a key is written")))
+        .collect()
+}
+
+/// The model's end state of `steps`.
+fn final_expected(steps: &[Step]) -> std::collections::BTreeMap<String, Option<i64>> {
+    expected(steps)
+        .into_iter()
+        .map(|(key, values)| (key, *values.last().expect("a key is written")))
+        .collect()
+}
+
+/// Four changes (two full batches of the test pipeline, so none is pending at the BEGIN), then
+/// one transaction writing `documents` distinct rows (one document each, all emitted at its
+/// end), then two more changes; the offset of the transaction's END.
+fn one_large_transaction(documents: i64) -> (Vec<Step>, u64) {
+    let mut steps = puts(4, 4);
+    steps.push(Step::Begin);
+    steps.extend((0..documents).map(|i| Step::Put(100 + i, i)));
+    steps.push(Step::End);
+    let end = steps.len() as u64;
+    steps.extend([Step::Put(200, 1), Step::Put(201, 2)]);
+    (steps, end)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_transaction_s_documents_leave_in_batches_bounded_by_the_factor() {
+    let max_events = 2;
+    let pipeline = Pipeline::new(Settings {
+        max_events,
+        documents: true,
+        ..Settings::default()
+    });
+    let bound = max_events * TRANSACTION_BATCH_FACTOR;
+    let documents = 40;
+    let (steps, end) = one_large_transaction(documents);
+    let (source, _log) = MemorySource::new(items(&steps), 5);
+    let (sink, applied) = MemorySink::new();
+    let run = pipeline.start(source, vec![("a", Box::new(sink))], ReadMode::UntilCaughtUp);
+    let summary = run.finish().await.expect("the run succeeds");
+
+    let applied = applied.lock().unwrap();
+    let emitted: Vec<&Applied> = applied
+        .iter()
+        .filter(|b| offsets(b).contains(&end))
+        .collect();
+    let in_emission: usize = emitted
+        .iter()
+        .map(|b| offsets(b).iter().filter(|&&o| o == end).count())
+        .sum();
+    assert_eq!(in_emission, documents as usize, "every document once");
+    assert!(
+        emitted.len() >= documents as usize / bound,
+        "the transaction's {documents} documents leave in several batches: {}",
+        emitted.len()
+    );
+    for batch in applied.iter() {
+        assert!(
+            batch.ops.len() <= bound,
+            "batch {} holds {} operations; at most {bound}",
+            batch.seq,
+            batch.ops.len()
+        );
+    }
+    assert_eq!(history(&applied), expected(&steps));
+    assert_eq!(summary.checkpoint, through(steps.len() as u64));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failure_in_the_middle_of_a_transaction_s_documents_keeps_the_checkpoint_before_it() {
+    let settings = || Settings {
+        max_events: 2,
+        documents: true,
+        ..Settings::default()
+    };
+    let (steps, end) = one_large_transaction(40);
+    // Where a clean run cuts the documents: the batches that hold them.
+    let clean = Pipeline::new(settings());
+    let (source, _log) = MemorySource::new(items(&steps), 5);
+    let (sink, applied) = MemorySink::new();
+    let run = clean.start(source, vec![("a", Box::new(sink))], ReadMode::UntilCaughtUp);
+    run.finish().await.expect("the clean run succeeds");
+    let seqs: Vec<u64> = applied
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|b| offsets(b).contains(&end))
+        .map(|b| b.seq)
+        .collect();
+    assert!(seqs.len() >= 4, "{seqs:?}");
+
+    // The third of them fails for good: the first two are written, and their state (dirty
+    // marks removed) was made durable before them.
+    let pipeline = Pipeline::new(settings());
+    let (source, _log) = MemorySource::new(items(&steps), 5);
+    let (sink, applied) = MemorySink::new();
+    let faults = Faults::new();
+    faults.plan(seqs[2], Fault::Permanent);
+    let sinks: Vec<(&str, Box<dyn refract_connectors::Sink>)> =
+        vec![("a", Box::new(FaultySink::new("a", sink, faults.clone())))];
+    let run = pipeline.start(source, sinks, ReadMode::UntilCaughtUp);
+    run.finish().await.expect_err("the run fails");
+    let committed = covered(&pipeline.committed());
+    assert!(
+        committed < end,
+        "the checkpoint ({committed}) stays before the transaction's end ({end}) until all its documents are written"
+    );
+
+    // The next run resumes at the checkpoint, its state rolled back to it: every document is
+    // written again.
+    let (source, _log) = MemorySource::new(items(&steps).split_off(committed as usize), 5);
+    let (sink, rerun) = MemorySink::new();
+    let run = pipeline.start(source, vec![("a", Box::new(sink))], ReadMode::UntilCaughtUp);
+    run.finish().await.expect("the rerun succeeds");
+    let mut all = applied.lock().unwrap().clone();
+    all.extend(rerun.lock().unwrap().iter().cloned());
+    assert_eq!(final_values(&all), final_expected(&steps));
+    assert_eq!(pipeline.committed(), through(steps.len() as u64));
+}

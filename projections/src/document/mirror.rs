@@ -18,24 +18,46 @@ use crate::state::{StateError, StateStore};
 /// held in memory between two scans of the store.
 const CHUNK: usize = 512;
 
+/// What a drain does with each key it hands out (it must remove the key).
+type EachKey<'a> = dyn FnMut(&mut dyn StateStore, &[u8]) -> Result<(), ProjectionError> + 'a;
+
 /// Hands every key under `prefix` to `each`, [`CHUNK`] keys per scan of the store. `each` must
 /// remove the key it is given (or the scans never end).
 pub(super) fn drain_prefix(
     store: &mut dyn StateStore,
     prefix: &[u8],
-    each: &mut dyn FnMut(&mut dyn StateStore, &[u8]) -> Result<(), ProjectionError>,
+    each: &mut EachKey<'_>,
 ) -> Result<(), ProjectionError> {
+    drain_some(store, prefix, usize::MAX, each).map(drop)
+}
+
+/// Hands the first `limit` keys (at least one) under `prefix` to `each`, which must remove the
+/// key it is given, [`CHUNK`] keys per scan of the store; returns whether keys remain.
+pub(super) fn drain_some(
+    store: &mut dyn StateStore,
+    prefix: &[u8],
+    limit: usize,
+    each: &mut EachKey<'_>,
+) -> Result<bool, ProjectionError> {
+    let mut left = limit.max(1);
     loop {
-        let mut keys = Vec::new();
+        let take = left.min(CHUNK);
+        let mut keys = Vec::with_capacity(take);
+        let mut more = false;
         store.scan_prefix(prefix, &mut |k, _| {
+            if keys.len() == take {
+                more = true;
+                return false;
+            }
             keys.push(k.to_vec());
-            keys.len() < CHUNK
+            true
         })?;
-        if keys.is_empty() {
-            return Ok(());
-        }
+        left -= keys.len();
         for key in keys {
             each(store, &key)?;
+        }
+        if !more || left == 0 {
+            return Ok(more);
         }
     }
 }

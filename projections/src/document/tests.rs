@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 
 use super::*;
 use crate::state::MemoryStore;
-use crate::test_support::event;
+use crate::test_support::{end_all, event};
 
 /// The shipped author and book documents (`pipelines/authors-books.toml`), and customers with
 /// their five most recent orders.
@@ -127,8 +127,8 @@ pub(super) fn transaction(
                 p.project(e, 0, &mut out).expect("the event projects");
             }
         }
-        p.end_transaction(&end_position(9), &mut out)
-            .expect("the transaction ends");
+        // Two documents a call: the tables' transactions end in several calls.
+        end_all(p, &end_position(9), 2, &mut out).expect("the transaction ends");
         all.extend(render(&out));
     }
     all
@@ -599,12 +599,12 @@ fn upserts_carry_the_transaction_end_and_bad_events_are_reported() {
     p.project(&c("books", book("b1", "x")), 0, &mut out)
         .unwrap();
     assert!(out.is_empty(), "nothing before the end of the transaction");
-    p.end_transaction(&end_position(42), &mut out).unwrap();
+    end_all(&mut p, &end_position(42), 1, &mut out).unwrap();
     assert!(
         matches!(&out[..], [WriteOp::Document(DocumentOp::Upsert { position, .. })] if *position == end_position(42))
     );
     out.clear();
-    p.end_transaction(&end_position(43), &mut out).unwrap();
+    end_all(&mut p, &end_position(43), 1, &mut out).unwrap();
     assert!(out.is_empty(), "marks are cleared");
 
     let err = p.project(&c("books", json!({"name": "no id"})), 0, &mut out);
@@ -681,9 +681,7 @@ fn dirty_marks_live_in_the_store_and_deleted_rows_leave_nothing_behind() {
     // A restarted projection on the same store finishes the transaction.
     let mut restarted = DocumentProjection::new(&config("book_docs"));
     restarted.attach_store(Box::new(store.clone()));
-    restarted
-        .end_transaction(&end_position(1), &mut out)
-        .unwrap();
+    end_all(&mut restarted, &end_position(1), 2, &mut out).unwrap();
     assert_eq!(out.len(), 3);
     assert_eq!(store.0.lock().unwrap().count_prefix(b"d"), 0);
     // Mirrored rows: 3 authors, 3 books, 4 links; index entries: 2 per link.
@@ -704,9 +702,7 @@ fn dirty_marks_live_in_the_store_and_deleted_rows_leave_nothing_behind() {
     for e in &deletes {
         restarted.project(e, 0, &mut out).unwrap();
     }
-    restarted
-        .end_transaction(&end_position(2), &mut out)
-        .unwrap();
+    end_all(&mut restarted, &end_position(2), 2, &mut out).unwrap();
     // Only the configuration fingerprint is left.
     assert_eq!(store.0.lock().unwrap().len(), 1);
 

@@ -180,7 +180,11 @@ fn transaction(
         partition: "p".into(),
         offset: Offset(lsn, u64::MAX),
     };
-    projection.end_transaction(&end, &mut ops).unwrap();
+    while projection
+        .end_transaction(&end, usize::MAX, &mut ops)
+        .unwrap()
+        == refract_projections::Emission::More
+    {}
     ops.into_iter()
         .map(|op| match op {
             refract_projections::WriteOp::Document(refract_projections::DocumentOp::Upsert {
