@@ -32,8 +32,9 @@ for table in orders customers order_items; do
 done
 find "$work/out" -path '*/changes/*.parquet' | sort > "$work/files-before"
 echo "state: $docs orders loaded, $(du -sh "$work/before" | cut -f1) of current state; $changed orders change; $(nproc) cores"
-python3 -c 'import sys, pyarrow.parquet as pq
-print("rows: " + ", ".join(f"{t} {pq.ParquetFile(f"{sys.argv[1]}/{t}.parquet").metadata.num_rows}" for t in sys.argv[2:]))' \
+python3 -c 'import os, sys, pyarrow.parquet as pq
+d = sys.argv[1]
+print("rows: " + ", ".join(t + " " + str(pq.ParquetFile(os.path.join(d, t + ".parquet")).metadata.num_rows) for t in sys.argv[2:]))' \
     "$work/before" orders customers order_items
 
 python3 benches/parquet_compaction.py changes "$log" "$changed"
