@@ -30,6 +30,7 @@ mod encode;
 mod merge;
 #[cfg(test)]
 mod multipart_tests;
+mod survivors;
 #[cfg(test)]
 mod tests;
 
@@ -497,22 +498,63 @@ pub(crate) async fn put(
         return Ok(());
     }
     let upload = store.put_multipart(path).await?;
-    upload_parts(upload, path, bytes).await
+    upload_parts(upload, path, parts_of(bytes)).await
 }
 
-/// Uploads `bytes` in parts of [`PART_SIZE`] and completes `upload`; aborts it if a part or the
-/// completion fails.
+/// `bytes` in parts of [`PART_SIZE`].
+fn parts_of(
+    bytes: bytes::Bytes,
+) -> impl futures::Stream<Item = object_store::Result<bytes::Bytes>> {
+    let parts = (0..bytes.len())
+        .step_by(PART_SIZE)
+        .map(move |start| Ok(bytes.slice(start..(start + PART_SIZE).min(bytes.len()))));
+    futures::stream::iter(parts)
+}
+
+/// Writes the local file `local` at `path` so that it appears whole or not at all, in parts read
+/// one at a time (never whole in memory) past [`MULTIPART_THRESHOLD`].
+pub(crate) async fn put_file(
+    store: &dyn ObjectStore,
+    path: &Path,
+    local: &std::path::Path,
+) -> object_store::Result<()> {
+    use tokio::io::AsyncReadExt;
+    let generic = |e: std::io::Error| object_store::Error::Generic {
+        store: "local file",
+        source: Box::new(e),
+    };
+    let file = tokio::fs::File::open(local).await.map_err(generic)?;
+    if file.metadata().await.map_err(generic)?.len() <= MULTIPART_THRESHOLD as u64 {
+        let bytes = tokio::fs::read(local).await.map_err(generic)?;
+        return put(store, path, bytes.into()).await;
+    }
+    let upload = store.put_multipart(path).await?;
+    let parts = futures::stream::try_unfold(file, move |mut file| async move {
+        let mut part = Vec::with_capacity(PART_SIZE);
+        (&mut file)
+            .take(PART_SIZE as u64)
+            .read_to_end(&mut part)
+            .await
+            .map_err(generic)?;
+        Ok((!part.is_empty()).then(|| (bytes::Bytes::from(part), file)))
+    });
+    upload_parts(upload, path, parts).await
+}
+
+/// Uploads `parts` and completes `upload`; aborts it if a part or the completion fails.
 async fn upload_parts(
     mut upload: Box<dyn object_store::MultipartUpload>,
     path: &Path,
-    bytes: bytes::Bytes,
+    parts: impl futures::Stream<Item = object_store::Result<bytes::Bytes>>,
 ) -> object_store::Result<()> {
+    use futures::StreamExt;
+    let mut parts = std::pin::pin!(parts);
     let mut result = Ok(());
-    for start in (0..bytes.len()).step_by(PART_SIZE) {
-        let end = (start + PART_SIZE).min(bytes.len());
-        result = upload
-            .put_part(PutPayload::from(bytes.slice(start..end)))
-            .await;
+    while let Some(part) = parts.next().await {
+        result = match part {
+            Ok(part) => upload.put_part(PutPayload::from(part)).await,
+            Err(e) => Err(e),
+        };
         if result.is_err() {
             break;
         }

@@ -5,7 +5,9 @@
 //! and a delete removes the key; in an exploded table (`refract.group` metadata) the newest
 //! position of a group brings all of the group's rows; a truncate removes every older row.
 //! Columns added over time are unified (null where a file lacked them). The new state is
-//! published with one atomic PUT, so readers see the old or the new state, never a mix.
+//! published with one atomic PUT (a multipart upload past
+//! [`MULTIPART_THRESHOLD`](super::MULTIPART_THRESHOLD), which the store exposes only once
+//! complete), so readers see the old or the new state, never a mix.
 //! Change-log files older than `change_retention_days` that are merged are deleted.
 //!
 //! **Two compactions at once** (the daemon's, and `refract compact` run from another host on
@@ -17,7 +19,11 @@
 //! refuses to run beside the pipeline's daemon.) Where the store cannot put on a condition, the
 //! check and the PUT are two requests: see [`publish`].
 //!
-//! Memory: see [`merge`](super::merge); inputs are fetched whole before merging.
+//! Memory does not grow with the table: every input is spooled to a local working directory
+//! (`$TMPDIR/refract-compact-*`, removed when done) a part at a time, the merge reads and
+//! writes local files (see [`merge`](super::merge)), and a new state past one PUT goes up in
+//! parts read from its file. The working directory needs room for the inputs (as stored), the
+//! new state and the spill files (57 bytes a row).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -33,7 +39,7 @@ use refract_schemas::Offset;
 use refract_schemas::config::{ParquetSinkConfig, mask_url};
 
 use super::encode::{self, META_MERGED_THROUGH, POSITION};
-use super::{classify, put};
+use super::{classify, put, put_file};
 use crate::SinkError;
 
 /// Rows per record batch when reading.
@@ -56,6 +62,11 @@ pub struct CompactReport {
     /// Tables whose current state another compaction published while this one merged: its
     /// newer state was left in place.
     pub superseded: u64,
+    /// Key-hash partitions the survivors were chosen in, one at a time (summed over tables).
+    pub partitions: u64,
+    /// The most survivor records one table's compaction held in memory at once (the largest
+    /// over tables).
+    pub peak_records: u64,
 }
 
 /// A change-log file, from its path.
@@ -237,13 +248,21 @@ pub async fn compact(sink: &str, config: &ParquetSinkConfig) -> Result<CompactRe
     let tables = by_table.into_iter().map(|(table, files)| {
         let (store, root) = (store.clone(), root.clone());
         async move {
-            compact_table(store, &root, &table, &files, config, std::future::ready(()))
-                .await
-                .map_err(|message| SinkError::Transient {
-                    sink: sink.to_owned(),
-                    message: format!("cannot compact `{table}`: {message}"),
-                    source: None,
-                })
+            compact_table(
+                store,
+                &root,
+                &table,
+                &files,
+                config,
+                super::survivors::PARTITION_ROWS,
+                std::future::ready(()),
+            )
+            .await
+            .map_err(|message| SinkError::Transient {
+                sink: sink.to_owned(),
+                message: format!("cannot compact `{table}`: {message}"),
+                source: None,
+            })
         }
     });
     let mut report = CompactReport::default();
@@ -254,6 +273,8 @@ pub async fn compact(sink: &str, config: &ParquetSinkConfig) -> Result<CompactRe
         report.files_deleted += r.files_deleted;
         report.row_groups_copied += r.row_groups_copied;
         report.superseded += r.superseded;
+        report.partitions += r.partitions;
+        report.peak_records = report.peak_records.max(r.peak_records);
     }
     Ok(report)
 }
@@ -273,14 +294,16 @@ fn decode(path: &Path, bytes: bytes::Bytes) -> Result<(SchemaRef, Vec<RecordBatc
     Ok((schema, batches))
 }
 
-/// Rebuilds `current/` of `table` from `files`; `before_publish` runs once the new state is
-/// merged, before it is checked and published (tests publish another state there).
+/// Rebuilds `current/` of `table` from `files`, choosing survivors about `partition_rows`
+/// records at a time; `before_publish` runs once the new state is merged, before it is checked
+/// and published (tests publish another state there).
 pub(super) async fn compact_table(
     store: Arc<dyn ObjectStore>,
     root: &Path,
     table: &str,
     files: &[ChangeFile],
     config: &ParquetSinkConfig,
+    partition_rows: usize,
     before_publish: impl std::future::Future<Output = ()>,
 ) -> Result<CompactReport, String> {
     let mut report = CompactReport::default();
@@ -289,12 +312,17 @@ pub(super) async fn compact_table(
         .join(table)
         .join("current")
         .join("part-0.parquet");
+    // Inputs, spill files and the new state, removed when dropped.
+    let work = tempfile::Builder::new()
+        .prefix("refract-compact-")
+        .tempdir()
+        .map_err(|e| format!("cannot create a working directory for compaction: {e}"))?;
     // The state merged from, and which version of the object it was.
     let (previous, merged_from) = match store.get(&current).await {
         Ok(r) => {
             let meta = r.meta.clone();
             (
-                Some(r.bytes().await.map_err(|e| e.to_string())?),
+                Some(spool(r, &work.path().join("previous")).await?),
                 Some(meta),
             )
         }
@@ -303,13 +331,16 @@ pub(super) async fn compact_table(
     };
     // What the previous state merged is known from its footer: read it before fetching the log.
     let merged_through = match &previous {
-        Some(bytes) => ParquetRecordBatchReaderBuilder::try_new(bytes.clone())
-            .map_err(|e| format!("{current}: {e}"))?
-            .schema()
-            .metadata()
-            .get(META_MERGED_THROUGH)
-            .cloned()
-            .unwrap_or_default(),
+        Some(file) => {
+            let file = file.try_clone().map_err(|e| format!("{current}: {e}"))?;
+            ParquetRecordBatchReaderBuilder::try_new(file)
+                .map_err(|e| format!("{current}: {e}"))?
+                .schema()
+                .metadata()
+                .get(META_MERGED_THROUGH)
+                .cloned()
+                .unwrap_or_default()
+        }
         None => String::new(),
     };
     let mut fetched = Vec::new();
@@ -317,14 +348,9 @@ pub(super) async fn compact_table(
         if !merged_through.is_empty() && file.last.sortable() <= merged_through {
             continue;
         }
-        let bytes = store
-            .get(&file.path)
-            .await
-            .map_err(|e| e.to_string())?
-            .bytes()
-            .await
-            .map_err(|e| e.to_string())?;
-        fetched.push((file.path.clone(), bytes));
+        let got = store.get(&file.path).await.map_err(|e| e.to_string())?;
+        let local = work.path().join(format!("change-{}", fetched.len()));
+        fetched.push((file.path.clone(), spool(got, &local).await?));
     }
     if fetched.is_empty() && previous.is_some() {
         report.files_deleted = retain(&*store, files, config, &merged_through).await?;
@@ -333,19 +359,25 @@ pub(super) async fn compact_table(
     report.files_read = fetched.len() as u64;
     let (current_path, level, rows_per_group) =
         (current.clone(), config.zstd_level, config.row_group_rows);
+    let dir = work.path().to_owned();
     let merged = tokio::task::spawn_blocking(move || {
+        let workspace = super::merge::Workspace {
+            dir: &dir,
+            partition_rows,
+        };
         super::merge::merge(
-            previous.map(|b| (current_path, b)),
+            previous.map(|f| (current_path, f)),
             fetched,
             &merged_through,
             level,
             rows_per_group,
+            &workspace,
         )
     })
     .await
     .map_err(|e| format!("the merge task failed: {e}"))??;
     before_publish.await;
-    if !publish(&*store, &current, merged.bytes, merged_from.as_ref()).await? {
+    if !publish(&*store, &current, &merged, merged_from.as_ref()).await? {
         tracing::warn!(
             table,
             "another compaction published the current state while this one merged: its newer \
@@ -354,6 +386,7 @@ pub(super) async fn compact_table(
         report.superseded = 1;
         return Ok(report);
     }
+    drop(work);
     if config.url.starts_with("file://") {
         // Like the change log: synced, so that a power loss cannot leave a torn current state.
         let local = std::path::Path::new("/").join(current.as_ref());
@@ -366,31 +399,60 @@ pub(super) async fn compact_table(
     report.tables = 1;
     report.rows = merged.rows as u64;
     report.row_groups_copied = merged.copied as u64;
+    report.partitions = merged.partitions as u64;
+    report.peak_records = merged.peak_records as u64;
     tracing::debug!(
         table,
         rows = merged.rows,
         copied = merged.copied,
+        partitions = merged.partitions,
         "current state rebuilt"
     );
     report.files_deleted = retain(&*store, files, config, &merged.through).await?;
     Ok(report)
 }
 
-/// Publishes `bytes` as the current state unless another compaction published since it was
-/// read as `merged_from` (`None`: there was none); returns whether it did.
+/// Writes an object being fetched to the local file `to` (a part at a time, never whole in
+/// memory); returns the file, open for reading.
+async fn spool(
+    got: object_store::GetResult,
+    to: &std::path::Path,
+) -> Result<std::fs::File, String> {
+    use tokio::io::AsyncWriteExt;
+    let failed = |e: std::io::Error| format!("cannot write {}: {e}", to.display());
+    let mut file = tokio::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(to)
+        .await
+        .map_err(failed)?;
+    let mut parts = got.into_stream();
+    while let Some(part) = parts.try_next().await.map_err(|e| e.to_string())? {
+        file.write_all(&part).await.map_err(failed)?;
+    }
+    file.flush().await.map_err(failed)?;
+    Ok(file.into_std().await)
+}
+
+/// Publishes the merged state as the current state unless another compaction published since
+/// it was read as `merged_from` (`None`: there was none); returns whether it did.
 ///
 /// Where the store can put on a condition (Azure, GCS, S3 with `AWS_CONDITIONAL_PUT=etag`; the
 /// local backend for a first state), the PUT itself carries it. Otherwise (the local backend
-/// over an existing state, S3 without the option, and states past one PUT) the object's metadata
-/// is compared just before an unconditional PUT: a publish between the two is not seen.
+/// over an existing state, S3 without the option, and states past one PUT, which go up in parts
+/// from the local file) the object's metadata is compared just before an unconditional upload:
+/// a publish between the two is not seen.
 async fn publish(
     store: &dyn ObjectStore,
     current: &Path,
-    bytes: bytes::Bytes,
+    merged: &super::merge::Merged,
     merged_from: Option<&object_store::ObjectMeta>,
 ) -> Result<bool, String> {
     use object_store::{PutMode, PutOptions, UpdateVersion};
-    if bytes.len() <= super::MULTIPART_THRESHOLD {
+    let failed = |e: std::io::Error| format!("cannot read {}: {e}", merged.file.display());
+    if merged.size <= super::MULTIPART_THRESHOLD as u64 {
+        let bytes = bytes::Bytes::from(tokio::fs::read(&merged.file).await.map_err(failed)?);
         let mode = match merged_from {
             Some(m) => PutMode::Update(UpdateVersion {
                 e_tag: m.e_tag.clone(),
@@ -408,11 +470,18 @@ async fn publish(
             Err(object_store::Error::NotImplemented { .. }) => {}
             Err(e) => return Err(e.to_string()),
         }
+        if overtaken(store, current, merged_from).await? {
+            return Ok(false);
+        }
+        put(store, current, bytes)
+            .await
+            .map_err(|e| e.to_string())?;
+        return Ok(true);
     }
     if overtaken(store, current, merged_from).await? {
         return Ok(false);
     }
-    put(store, current, bytes)
+    put_file(store, current, &merged.file)
         .await
         .map_err(|e| e.to_string())?;
     Ok(true)

@@ -1,28 +1,33 @@
 //! The merge of a compaction: the previous current state and the change-log rows past it, into
 //! the new current state.
 //!
-//! Two passes over the inputs. The first decodes only the columns that decide which rows
-//! survive (`_position`, `_op`, the key and group columns) and picks the survivors. The second
+//! The inputs are local files (spooled from the store by [`compact`](super::compact)), and so
+//! is the new state. Two passes over the inputs. The first decodes only the columns that decide
+//! which rows survive (`_position`, `_op`, the key and group columns) and hands them to
+//! [`survivors`](super::survivors), which picks the survivors partition by partition. The second
 //! writes them, input by input:
 //! - an input whose rows all survive and whose columns are exactly the output's has its column
 //!   chunks copied into the new file as they are, without decoding or encoding them: every
 //!   change file of an append-only load, and a previous state that no new change touches;
 //! - any other input is decoded, its surviving rows are gathered, and they are encoded anew.
 //!
-//! Memory: every input's bytes (as stored, compressed), their control columns (about 50 bytes
-//! a row), one batch of decoded rows at a time, and the new file.
+//! Memory does not grow with the table: the inputs' footers, one batch of decoded rows
+//! ([`READ_BATCH_ROWS`]), one partition of survivor records (see
+//! [`survivors`](super::survivors)), and the row group being encoded (compressed, at most
+//! `row_group_rows` rows). The disk holds the inputs, the spill files and the new file.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::BufWriter;
 use std::sync::Arc;
 
 use arrow_array::{Array, ArrayRef, BooleanArray, RecordBatch, new_null_array};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
-use bytes::Bytes;
 use object_store::path::Path;
 use parquet::arrow::arrow_reader::{
     ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder,
 };
-use parquet::arrow::arrow_writer::{ArrowRowGroupWriterFactory, compute_leaves};
+use parquet::arrow::arrow_writer::{ArrowColumnWriter, ArrowRowGroupWriterFactory, compute_leaves};
 use parquet::arrow::{ArrowWriter, ProjectionMask};
 use parquet::column::writer::ColumnCloseResult;
 use parquet::file::metadata::PageIndexPolicy;
@@ -30,37 +35,33 @@ use parquet::file::writer::SerializedFileWriter;
 
 use super::compact::{READ_BATCH_ROWS, string_column};
 use super::encode::{self, META_GROUP, META_KEY, META_MERGED_THROUGH, OP, POSITION};
+use super::survivors::{Partitions, Record, SurvivorRows};
+
+/// Buffer of the new file being written.
+const OUTPUT_BUFFER_BYTES: usize = 1024 * 1024;
 
 /// A merged current state.
 pub(super) struct Merged {
-    pub bytes: Bytes,
+    /// The new state's file, and its size.
+    pub file: std::path::PathBuf,
+    pub size: u64,
     pub rows: usize,
     /// The newest position merged.
     pub through: String,
     /// Row groups copied as they were.
     pub copied: usize,
+    /// Partitions the survivors were chosen in, one at a time.
+    pub partitions: usize,
+    /// The most survivor records held in memory at once.
+    pub peak_records: usize,
 }
 
 /// One input: the previous current state (no `_op`: every row is live) or a change-log file.
 struct Input {
     path: Path,
-    bytes: Bytes,
+    file: File,
     meta: ArrowReaderMetadata,
     previous: bool,
-}
-
-/// What the first pass keeps of an input's rows.
-#[derive(Default)]
-struct Control {
-    position: Vec<u128>,
-    /// `u`, `d` or `t`; 0 for a row merged before (at or before the previous `merged_through`).
-    op: Vec<u8>,
-    /// Hash of the key columns, or of the group columns in an exploded table.
-    by: Vec<u128>,
-    /// Hash of the key columns in an exploded table (empty otherwise).
-    full: Vec<u128>,
-    /// The newest position among the change-log rows merged now, as number and text.
-    newest: Option<(u128, String)>,
 }
 
 fn failed(path: &Path) -> impl Fn(parquet::errors::ParquetError) -> String + '_ {
@@ -68,13 +69,13 @@ fn failed(path: &Path) -> impl Fn(parquet::errors::ParquetError) -> String + '_ 
 }
 
 impl Input {
-    fn new(path: Path, bytes: Bytes, previous: bool) -> Result<Self, String> {
+    fn new(path: Path, file: File, previous: bool) -> Result<Self, String> {
         // The page index comes along so that copied chunks keep theirs.
         let options = ArrowReaderOptions::new().with_page_index_policy(PageIndexPolicy::Optional);
-        let meta = ArrowReaderMetadata::load(&bytes, options).map_err(failed(&path))?;
+        let meta = ArrowReaderMetadata::load(&file, options).map_err(failed(&path))?;
         Ok(Self {
             path,
-            bytes,
+            file,
             meta,
             previous,
         })
@@ -94,11 +95,13 @@ impl Input {
         &self,
         names: Option<&[&str]>,
     ) -> Result<impl Iterator<Item = Result<RecordBatch, String>> + '_, String> {
-        let mut builder = ParquetRecordBatchReaderBuilder::new_with_metadata(
-            self.bytes.clone(),
-            self.meta.clone(),
-        )
-        .with_batch_size(READ_BATCH_ROWS);
+        let file = self
+            .file
+            .try_clone()
+            .map_err(|e| format!("{}: {e}", self.path))?;
+        let mut builder =
+            ParquetRecordBatchReaderBuilder::new_with_metadata(file, self.meta.clone())
+                .with_batch_size(READ_BATCH_ROWS);
         if let Some(names) = names {
             let roots = self
                 .schema()
@@ -114,25 +117,20 @@ impl Input {
         Ok(batches.map(|batch| batch.map_err(|e| format!("{}: {e}", self.path))))
     }
 
-    /// The first pass: positions, ops and key hashes of every row.
+    /// The first pass: hands the position, op and key hashes of every row to `partitions`;
+    /// returns the newest position among the change-log rows merged now.
     fn control(
         &self,
+        index: u32,
         by: &[String],
         full: &[String],
         merged_through: &str,
-    ) -> Result<Control, String> {
+        partitions: &mut Partitions,
+    ) -> Result<Option<(u128, String)>, String> {
         let mut names: Vec<&str> = vec![POSITION, OP];
         names.extend(by.iter().chain(full).map(String::as_str));
-        // Sized once: grown by doubling, the vectors of a large input would take up to twice
-        // the room.
-        let rows = self.rows();
-        let mut control = Control {
-            position: Vec::with_capacity(rows),
-            op: Vec::with_capacity(rows),
-            by: Vec::with_capacity(rows),
-            full: Vec::with_capacity(if full.is_empty() { 0 } else { rows }),
-            ..Control::default()
-        };
+        let mut newest: Option<(u128, String)> = None;
+        let mut row = 0u32;
         for batch in self.read(Some(&names))? {
             let batch = batch?;
             let positions = string_column(&batch, POSITION)?;
@@ -147,26 +145,36 @@ impl Input {
                 let text = positions.value(r);
                 let op = match ops {
                     // Rows of a file that straddles the previous merge: only those after it.
-                    Some(_) if !merged_through.is_empty() && text <= merged_through => 0,
-                    Some(ops) => ops.value(r).bytes().next().unwrap_or(b'u'),
-                    None => b'u',
+                    Some(_) if !merged_through.is_empty() && text <= merged_through => None,
+                    Some(ops) => Some(ops.value(r).bytes().next().unwrap_or(b'u')),
+                    None => Some(b'u'),
                 };
                 let position = position_number(text);
-                if op != 0
-                    && !self.previous
-                    && control.newest.as_ref().is_none_or(|(n, _)| position > *n)
-                {
-                    control.newest = Some((position, text.to_owned()));
+                let at = row;
+                row += 1;
+                let Some(op) = op else { continue };
+                if !self.previous && newest.as_ref().is_none_or(|(n, _)| position > *n) {
+                    newest = Some((position, text.to_owned()));
                 }
-                control.position.push(position);
-                control.op.push(op);
-                control.by.push(row_hash(&by_columns, r));
-                if !full.is_empty() {
-                    control.full.push(row_hash(&full_columns, r));
+                if op == b't' {
+                    partitions.truncate(position);
+                    continue;
                 }
+                partitions.push(Record {
+                    by: row_hash(&by_columns, r),
+                    full: if full.is_empty() {
+                        0
+                    } else {
+                        row_hash(&full_columns, r)
+                    },
+                    position,
+                    op,
+                    input: index,
+                    row: at,
+                })?;
             }
         }
-        Ok(control)
+        Ok(newest)
     }
 
     /// Whether its column chunks can be copied into a file of `fields`: the same columns, in
@@ -174,7 +182,7 @@ impl Input {
     fn copyable(
         &self,
         fields: &[Field],
-        out: &SerializedFileWriter<Vec<u8>>,
+        out: &SerializedFileWriter<BufWriter<File>>,
     ) -> Option<Vec<usize>> {
         let own: Vec<(usize, &Arc<Field>)> = self
             .schema()
@@ -206,21 +214,30 @@ fn columns_of(batch: &RecordBatch, names: &[String]) -> Vec<Option<ArrayRef>> {
         .collect()
 }
 
-/// Merges the previous current state with the change-log files past it (CPU work: decoding,
-/// hashing keys, copying or gathering rows, encoding).
+/// Where the merge works and how much it holds: the new state is written to `dir/current.parquet`
+/// and the spill files go under `dir`; survivors are chosen about `partition_rows` records at a
+/// time.
+pub(super) struct Workspace<'a> {
+    pub dir: &'a std::path::Path,
+    pub partition_rows: usize,
+}
+
+/// Merges the previous current state with the change-log files past it (CPU and local disk
+/// work: decoding, hashing keys, choosing survivors, copying or gathering rows, encoding).
 pub(super) fn merge(
-    previous: Option<(Path, Bytes)>,
-    changes: Vec<(Path, Bytes)>,
+    previous: Option<(Path, File)>,
+    changes: Vec<(Path, File)>,
     merged_through: &str,
     zstd_level: i32,
     row_group_rows: usize,
+    workspace: &Workspace<'_>,
 ) -> Result<Merged, String> {
     let mut inputs = Vec::with_capacity(changes.len() + 1);
-    if let Some((path, bytes)) = previous {
-        inputs.push(Input::new(path, bytes, true)?);
+    if let Some((path, file)) = previous {
+        inputs.push(Input::new(path, file, true)?);
     }
-    for (path, bytes) in changes {
-        inputs.push(Input::new(path, bytes, false)?);
+    for (path, file) in changes {
+        inputs.push(Input::new(path, file, false)?);
     }
     let mut metadata: HashMap<String, String> = HashMap::new();
     for input in &inputs {
@@ -248,18 +265,18 @@ pub(super) fn merge(
     } else {
         (group.clone(), key.clone())
     };
-    let controls: Vec<Control> = inputs
-        .iter()
-        .map(|input| input.control(&by, &full, merged_through))
-        .collect::<Result<_, _>>()?;
-    let picked = survivors(&controls, !group.is_empty());
-
+    let total = inputs.iter().map(Input::rows).sum();
+    let mut partitions = Partitions::new(total, workspace.partition_rows, workspace.dir)?;
+    let mut newest: Option<(u128, String)> = None;
+    for (i, input) in inputs.iter().enumerate() {
+        let own = input.control(i as u32, &by, &full, merged_through, &mut partitions)?;
+        if own.as_ref().map(|o| o.0) > newest.as_ref().map(|n| n.0) {
+            newest = own;
+        }
+    }
+    let mut chosen = partitions.choose(!group.is_empty(), inputs.len())?;
     // The newest position merged: the newest change-log row past the previous merge.
-    let newest = controls
-        .iter()
-        .filter_map(|c| c.newest.as_ref())
-        .max_by_key(|(number, _)| *number)
-        .map_or_else(|| merged_through.to_owned(), |(_, text)| text.clone());
+    let newest = newest.map_or_else(|| merged_through.to_owned(), |(_, text)| text);
 
     let mut out_metadata: HashMap<String, String> =
         HashMap::from([(META_KEY.to_owned(), key.join(","))]);
@@ -271,30 +288,38 @@ pub(super) fn merge(
         out_metadata.insert(encode::META_SCHEMA_VERSION.to_owned(), v.clone());
     }
     let schema: SchemaRef = Arc::new(Schema::new_with_metadata(fields.clone(), out_metadata));
+    let path = workspace.dir.join("current.parquet");
     let mut out = Output::new(
+        &path,
         &schema,
         encode::properties(zstd_level, row_group_rows),
         row_group_rows,
     )?;
-    for (input, rows) in inputs.iter().zip(&picked) {
-        if rows.is_empty() {
+    for (input, &count) in inputs.iter().zip(&chosen.counts) {
+        if count == 0 {
             continue;
         }
-        let copy = (rows.len() == input.rows())
+        let copy = (count == input.rows())
             .then(|| input.copyable(&fields, &out.writer))
             .flatten();
         match copy {
-            Some(columns) => out.copy(input, &columns)?,
-            None => out.gather(input, rows)?,
+            Some(columns) => {
+                out.copy(input, &columns)?;
+                chosen.rows.skip(count)?;
+            }
+            None => out.gather(input, &mut chosen.rows, count)?,
         }
     }
-    let rows = picked.iter().map(Vec::len).sum();
     let copied = out.copied;
+    let size = out.finish()?;
     Ok(Merged {
-        bytes: out.finish()?,
-        rows,
+        file: path,
+        size,
+        rows: chosen.counts.iter().sum(),
         through: newest,
         copied,
+        partitions: chosen.partitions,
+        peak_records: chosen.peak_records,
     })
 }
 
@@ -327,108 +352,49 @@ fn unified_fields(inputs: &[Input]) -> Result<Vec<Field>, String> {
     Ok(fields)
 }
 
-/// The surviving rows of each input, ascending: per key (or, in an exploded table, per group)
-/// the row with the newest position, unless it is a delete or older than a truncate.
-fn survivors(controls: &[Control], grouped: bool) -> Vec<Vec<u32>> {
-    let mut winners: PrehashedMap<(u32, u32)> = PrehashedMap::default();
-    let mut truncated = 0u128;
-    for (i, c) in controls.iter().enumerate() {
-        for r in 0..c.op.len() {
-            let position = c.position[r];
-            match c.op[r] {
-                0 => continue,
-                b't' => {
-                    truncated = truncated.max(position);
-                    continue;
-                }
-                _ => {}
-            }
-            match winners.get_mut(&c.by[r]) {
-                Some((wi, wr)) => {
-                    if controls[*wi as usize].position[*wr as usize] < position {
-                        (*wi, *wr) = (i as u32, r as u32);
-                    }
-                }
-                None => {
-                    winners.insert(c.by[r], (i as u32, r as u32));
-                }
-            }
-        }
-    }
-    let upsert = |i: usize, r: usize| controls[i].op[r] == b'u';
-    let mut picked: Vec<Vec<u32>> = vec![Vec::new(); controls.len()];
-    if !grouped {
-        for (i, r) in winners.into_values() {
-            let (i, r) = (i as usize, r as usize);
-            if upsert(i, r) && controls[i].position[r] > truncated {
-                picked[i].push(r as u32);
-            }
-        }
-        for rows in &mut picked {
-            rows.sort_unstable();
-        }
-        return picked;
-    }
-    // Every upsert row of a group at the group's newest position, each key once (a replayed
-    // file may hold the same change twice).
-    let mut seen: HashSet<u128, std::hash::BuildHasherDefault<Prehashed>> = HashSet::default();
-    for (i, c) in controls.iter().enumerate() {
-        for r in 0..c.op.len() {
-            if !upsert(i, r) {
-                continue;
-            }
-            let Some(&(wi, wr)) = winners.get(&c.by[r]) else {
-                continue;
-            };
-            let winning = controls[wi as usize].position[wr as usize];
-            if c.position[r] == winning
-                && c.position[r] > truncated
-                && upsert(wi as usize, wr as usize)
-                && seen.insert(c.full[r])
-            {
-                picked[i].push(r as u32);
-            }
-        }
-    }
-    picked
-}
-
-/// The new current state being written: copied row groups and row groups of gathered rows.
+/// The new current state being written, to a local file: copied row groups and row groups of
+/// gathered rows, each encoded as its rows come (one row group's pages in memory at a time).
 struct Output {
     schema: SchemaRef,
-    writer: SerializedFileWriter<Vec<u8>>,
+    writer: SerializedFileWriter<BufWriter<File>>,
     factory: ArrowRowGroupWriterFactory,
     row_group_rows: usize,
-    /// Gathered rows not yet written (in the output schema).
-    pending: Vec<RecordBatch>,
-    pending_rows: usize,
+    /// The row group being encoded: its column writers and rows so far.
+    open: Option<(Vec<ArrowColumnWriter>, usize)>,
     /// Row groups copied so far.
     copied: usize,
 }
 
+fn parquet_error(e: parquet::errors::ParquetError) -> String {
+    e.to_string()
+}
+
 impl Output {
     fn new(
+        path: &std::path::Path,
         schema: &SchemaRef,
         properties: parquet::file::properties::WriterProperties,
         row_group_rows: usize,
     ) -> Result<Self, String> {
-        let (writer, factory) = ArrowWriter::try_new(Vec::new(), schema.clone(), Some(properties))
+        let file =
+            File::create(path).map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+        let sink = BufWriter::with_capacity(OUTPUT_BUFFER_BYTES, file);
+        let (writer, factory) = ArrowWriter::try_new(sink, schema.clone(), Some(properties))
             .and_then(ArrowWriter::into_serialized_writer)
-            .map_err(|e| e.to_string())?;
+            .map_err(parquet_error)?;
         Ok(Self {
             schema: schema.clone(),
             writer,
             factory,
             row_group_rows: row_group_rows.max(1),
-            pending: Vec::new(),
-            pending_rows: 0,
+            open: None,
             copied: 0,
         })
     }
 
     /// Copies every row group of `input`: `columns[j]` is its column holding output column j.
     fn copy(&mut self, input: &Input, columns: &[usize]) -> Result<(), String> {
-        self.flush(true)?;
+        self.close_row_group()?;
         let metadata = input.meta.metadata();
         let index = |group: usize, column: usize| {
             let column_index = metadata
@@ -453,7 +419,7 @@ impl Output {
                     offset_index,
                 };
                 row_group
-                    .append_column(&input.bytes, close)
+                    .append_column(&input.file, close)
                     .map_err(failed(&input.path))?;
             }
             row_group.close().map_err(failed(&input.path))?;
@@ -462,20 +428,37 @@ impl Output {
         Ok(())
     }
 
-    /// Decodes `input` and keeps its rows `rows` (ascending).
-    fn gather(&mut self, input: &Input, rows: &[u32]) -> Result<(), String> {
-        let mut wanted = rows.iter().peekable();
+    /// Decodes `input` and keeps its next `count` rows of `rows` (ascending).
+    fn gather(
+        &mut self,
+        input: &Input,
+        rows: &mut SurvivorRows,
+        count: usize,
+    ) -> Result<(), String> {
+        let mut left = count;
+        let mut held: Option<u32> = None;
         let mut start = 0u32;
         for batch in input.read(None)? {
+            if left == 0 && held.is_none() {
+                break;
+            }
             let batch = batch?;
             let end = start + batch.num_rows() as u32;
             let mut keep = vec![false; batch.num_rows()];
-            while let Some(&&r) = wanted.peek() {
+            loop {
+                let r = match held.take() {
+                    Some(r) => r,
+                    None if left > 0 => {
+                        left -= 1;
+                        rows.next_row()?
+                    }
+                    None => break,
+                };
                 if r >= end {
+                    held = Some(r);
                     break;
                 }
                 keep[(r - start) as usize] = true;
-                wanted.next();
             }
             start = end;
             let keep = BooleanArray::from(keep);
@@ -495,66 +478,76 @@ impl Output {
                 .collect();
             let unified =
                 RecordBatch::try_new(self.schema.clone(), columns).map_err(|e| e.to_string())?;
-            self.pending_rows += unified.num_rows();
-            self.pending.push(unified);
-            self.flush(false)?;
+            self.write(&unified)?;
+        }
+        if left > 0 || held.is_some() {
+            return Err(format!("{}: fewer rows than its survivors", input.path));
         }
         Ok(())
     }
 
-    /// Writes the gathered rows as row groups of `row_group_rows` (and the rest, when `all`).
-    fn flush(&mut self, all: bool) -> Result<(), String> {
-        if self.pending_rows < self.row_group_rows && !(all && self.pending_rows > 0) {
-            return Ok(());
-        }
-        let rows = arrow_select::concat::concat_batches(&self.schema, &self.pending)
-            .map_err(|e| e.to_string())?;
-        self.pending.clear();
+    /// Encodes `batch` into row groups of `row_group_rows`, the last one left open.
+    fn write(&mut self, batch: &RecordBatch) -> Result<(), String> {
         let mut offset = 0;
-        while rows.num_rows() - offset >= self.row_group_rows || (all && offset < rows.num_rows()) {
-            let n = self.row_group_rows.min(rows.num_rows() - offset);
-            self.write_row_group(&rows.slice(offset, n))?;
+        while offset < batch.num_rows() {
+            let (writers, rows) = match &mut self.open {
+                Some(open) => open,
+                None => {
+                    let writers = self
+                        .factory
+                        .create_column_writers(self.writer.flushed_row_groups().len())
+                        .map_err(parquet_error)?;
+                    self.open.insert((writers, 0))
+                }
+            };
+            let n = (self.row_group_rows - *rows).min(batch.num_rows() - offset);
+            let slice = batch.slice(offset, n);
+            let mut next = writers.iter_mut();
+            for (field, array) in self.schema.fields().iter().zip(slice.columns()) {
+                for leaf in compute_leaves(field, array).map_err(parquet_error)? {
+                    next.next()
+                        .ok_or("more leaves than column writers")?
+                        .write(&leaf)
+                        .map_err(parquet_error)?;
+                }
+            }
+            *rows += n;
             offset += n;
-        }
-        self.pending_rows = rows.num_rows() - offset;
-        if self.pending_rows > 0 {
-            self.pending.push(rows.slice(offset, self.pending_rows));
-        }
-        Ok(())
-    }
-
-    fn write_row_group(&mut self, batch: &RecordBatch) -> Result<(), String> {
-        let error = |e: parquet::errors::ParquetError| e.to_string();
-        let mut writers = self
-            .factory
-            .create_column_writers(self.writer.flushed_row_groups().len())
-            .map_err(error)?;
-        let mut next = writers.iter_mut();
-        for (field, array) in self.schema.fields().iter().zip(batch.columns()) {
-            for leaf in compute_leaves(field, array).map_err(error)? {
-                next.next()
-                    .ok_or("more leaves than column writers")?
-                    .write(&leaf)
-                    .map_err(error)?;
+            if *rows == self.row_group_rows {
+                self.close_row_group()?;
             }
         }
-        let mut row_group = self.writer.next_row_group().map_err(error)?;
+        Ok(())
+    }
+
+    /// Writes the row group being encoded, if any.
+    fn close_row_group(&mut self) -> Result<(), String> {
+        let Some((writers, _)) = self.open.take() else {
+            return Ok(());
+        };
+        let mut row_group = self.writer.next_row_group().map_err(parquet_error)?;
         for writer in writers {
             writer
                 .close()
                 .and_then(|chunk| chunk.append_to_row_group(&mut row_group))
-                .map_err(error)?;
+                .map_err(parquet_error)?;
         }
-        row_group.close().map_err(error)?;
+        row_group.close().map_err(parquet_error)?;
         Ok(())
     }
 
-    fn finish(mut self) -> Result<Bytes, String> {
-        self.flush(true)?;
-        self.writer
+    /// Completes the file; returns its size.
+    fn finish(mut self) -> Result<u64, String> {
+        self.close_row_group()?;
+        let sink = self.writer.into_inner().map_err(parquet_error)?;
+        let file = sink
             .into_inner()
-            .map(Bytes::from)
-            .map_err(|e| e.to_string())
+            .map_err(|e| format!("cannot write the new state: {}", e.error()))?;
+        let size = file
+            .metadata()
+            .map_err(|e| format!("cannot write the new state: {e}"))?
+            .len();
+        Ok(size)
     }
 }
 
@@ -597,26 +590,6 @@ fn row_hash(columns: &[Option<ArrayRef>], row: usize) -> u128 {
     }
     hash
 }
-
-/// Hashes `u128` keys that are hashes already: their low bits are the hash.
-#[derive(Default)]
-struct Prehashed(u64);
-
-impl std::hash::Hasher for Prehashed {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 << 8) | u64::from(b);
-        }
-    }
-    fn write_u128(&mut self, v: u128) {
-        self.0 = v as u64;
-    }
-}
-
-type PrehashedMap<V> = HashMap<u128, V, std::hash::BuildHasherDefault<Prehashed>>;
 
 /// A `_position` text (`{major:020}.{minor:020}`) as one number that sorts the same.
 fn position_number(text: &str) -> u128 {

@@ -24,6 +24,11 @@ async fn large_files_are_uploaded_in_parts_and_appear_whole() {
         std::fs::read(dir.path().join("big.parquet")).unwrap(),
         bytes.to_vec()
     );
+    let local = dir.path().join("local.parquet");
+    std::fs::write(&local, &bytes).unwrap();
+    let from_file = root.clone().join("from-file.parquet");
+    put_file(&*store, &from_file, &local).await.unwrap();
+    assert!(std::fs::read(dir.path().join("from-file.parquet")).unwrap() == bytes.to_vec());
 }
 
 /// moto's S3 server on a free port, with bucket `lake`; killed when dropped.
@@ -153,6 +158,13 @@ async fn on_s3_a_large_file_appears_whole_and_a_failed_upload_leaves_no_parts() 
         read == bytes,
         "the object read back differs from what was put"
     );
+    // A compaction's new state goes up from its local file, a part read at a time.
+    let local = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(local.path(), &bytes).unwrap();
+    let from_file = Path::from("t/current/part-0.parquet");
+    put_file(&store, &from_file, local.path()).await.unwrap();
+    let read = store.get(&from_file).await.unwrap().bytes().await.unwrap();
+    assert!(read == bytes, "the object put from a file differs from it");
     let uploads = moto.request("GET", "/lake?uploads");
     assert!(!uploads.contains("<Upload>"), "{uploads}");
 
@@ -163,7 +175,9 @@ async fn on_s3_a_large_file_appears_whole_and_a_failed_upload_leaves_no_parts() 
         next: 0,
         fail_at: 2,
     });
-    let error = upload_parts(upload, &failed, bytes).await.unwrap_err();
+    let error = upload_parts(upload, &failed, parts_of(bytes))
+        .await
+        .unwrap_err();
     assert!(error.to_string().contains("reset"), "{error}");
     let uploads = moto.request("GET", "/lake?uploads");
     assert!(
