@@ -436,15 +436,6 @@ async fn trim_after_checkpoint(
     Ok(())
 }
 
-/// fsyncs a published local file and the directory holding its name.
-fn sync_file_and_dir(path: &std::path::Path) -> std::io::Result<()> {
-    std::fs::File::open(path)?.sync_all()?;
-    if let Some(dir) = path.parent() {
-        std::fs::File::open(dir)?.sync_all()?;
-    }
-    Ok(())
-}
-
 /// The path of a change-log file.
 fn change_file(
     root: &Path,
