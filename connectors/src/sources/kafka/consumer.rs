@@ -305,11 +305,14 @@ pub(super) fn partition_name(topic: &str, partition: i32) -> Arc<str> {
     format!("{topic}/{partition}").into()
 }
 
+/// A topic's name, and its partitions' names by number.
+type TopicNames = (Arc<str>, HashMap<i32, Arc<str>>);
+
 /// The topic names and [`partition_name`]s of the messages read, each made once.
 #[derive(Default)]
 struct Names {
-    /// By topic: the topic's name, and its partitions' names by number.
-    topics: HashMap<Box<str>, (Arc<str>, HashMap<i32, Arc<str>>)>,
+    /// By topic.
+    topics: HashMap<Box<str>, TopicNames>,
     /// The partition looked up last: consecutive messages are mostly of one partition (a
     /// fetched batch), which then costs no hashing.
     last: Option<(Arc<str>, i32, Arc<str>)>,
