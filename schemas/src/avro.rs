@@ -30,6 +30,7 @@ use std::sync::Arc;
 
 use apache_avro::Schema;
 use apache_avro::reader::datum::GenericDatumReader;
+use apache_avro::reader::single_object::GenericSingleObjectReader;
 use apache_avro::types::Value as AvroValue;
 use apache_avro::writer::datum::GenericDatumWriter;
 use serde::Deserialize;
@@ -101,6 +102,12 @@ pub fn read_body(schema: &Schema, body: &[u8]) -> Result<AvroValue, String> {
     let value = reader
         .read_value(&mut rest)
         .map_err(|e| format!("corrupt Avro body: {e}"))?;
+    whole_body(rest, body)?;
+    Ok(value)
+}
+
+/// Fails when a value read from `body` left `rest` of it unread.
+fn whole_body(rest: &[u8], body: &[u8]) -> Result<(), String> {
     if !rest.is_empty() {
         return Err(format!(
             "corrupt Avro body: {} bytes left over after the value (of {})",
@@ -108,15 +115,49 @@ pub fn read_body(schema: &Schema, body: &[u8]) -> Result<AvroValue, String> {
             body.len()
         ));
     }
-    Ok(value)
+    Ok(())
 }
 
-/// A reusable decoder of Debezium Avro records; it caches, by schema id, the logical-type
-/// converters compiled from each key and value schema.
+/// A writer schema made ready to read bodies with: [`read_body`] resolves the schema's named
+/// types (a Debezium envelope's row, source and transaction records) again for every body.
+struct BodyReader(GenericSingleObjectReader);
+
+impl BodyReader {
+    fn new(schema: &Schema) -> Result<Self, String> {
+        // apache-avro keeps a schema resolved once only in its single-object reader; an empty
+        // header makes it read bare bodies, as Confluent framing leaves them.
+        GenericSingleObjectReader::builder()
+            .schema(schema.clone())
+            .header(Vec::new())
+            .build()
+            .map(Self)
+            .map_err(|e| format!("schema cannot be read with: {e}"))
+    }
+
+    /// As [`read_body`].
+    fn read(&self, body: &[u8]) -> Result<AvroValue, String> {
+        let mut rest = body;
+        let value = self
+            .0
+            .read_value(&mut rest)
+            .map_err(|e| format!("corrupt Avro body: {e}"))?;
+        whole_body(rest, body)?;
+        Ok(value)
+    }
+}
+
+/// What a decoder keeps of one schema id: its reader and its logical-type converter.
+struct Compiled<C> {
+    reader: BodyReader,
+    converter: C,
+}
+
+/// A reusable decoder of Debezium Avro records; it caches, by schema id, the readers and the
+/// logical-type converters compiled from each key and value schema.
 #[derive(Default)]
 pub struct AvroDecoder {
-    values: HashMap<u32, Arc<EnvelopeSchema>>,
-    keys: HashMap<u32, Arc<RowSchema>>,
+    values: HashMap<u32, Arc<Compiled<EnvelopeSchema>>>,
+    keys: HashMap<u32, Arc<Compiled<RowSchema>>>,
     names: Interner,
 }
 
@@ -179,18 +220,24 @@ impl AvroDecoder {
     }
 
     fn key(&mut self, id: u32, schema: &Schema, body: &[u8]) -> Result<Option<Row>, String> {
-        let avro = read_body(schema, body).map_err(|e| format!("key: {e}"))?;
-        let converter = match self.keys.get(&id) {
+        let compiled = match self.keys.get(&id) {
             Some(c) => c.clone(),
             None => {
+                let reader = BodyReader::new(schema).map_err(|e| format!("key: {e}"))?;
                 let connect = connect_schema(schema).map_err(|e| format!("key schema: {e}"))?;
-                let compiled =
-                    Arc::new(RowSchema::compile(&connect).map_err(|e| format!("key schema: {e}"))?);
+                let converter =
+                    RowSchema::compile(&connect).map_err(|e| format!("key schema: {e}"))?;
+                let compiled = Arc::new(Compiled { reader, converter });
                 self.make_room();
                 self.keys.insert(id, compiled.clone());
                 compiled
             }
         };
+        let avro = compiled
+            .reader
+            .read(body)
+            .map_err(|e| format!("key: {e}"))?;
+        let converter = &compiled.converter;
         // A key that is not a record (Debezium's are) gives no key image, as a JsonConverter
         // key with a schema does in the JSON codec.
         let Value::Object(map) = to_json(avro) else {
@@ -210,20 +257,27 @@ impl AvroDecoder {
         body: &[u8],
         position: &Position,
     ) -> Result<Record, String> {
-        let avro = read_body(schema, body)?;
         let compiled = match self.values.get(&id) {
             Some(c) => c.clone(),
             None => {
+                let reader = BodyReader::new(schema)?;
                 let connect = connect_schema(schema).map_err(|e| format!("value schema: {e}"))?;
-                let compiled = Arc::new(EnvelopeSchema::compile(&connect)?);
+                let converter = EnvelopeSchema::compile(&connect)?;
+                let compiled = Arc::new(Compiled { reader, converter });
                 self.make_room();
                 self.values.insert(id, compiled.clone());
                 compiled
             }
         };
+        let avro = compiled.reader.read(body)?;
         let payload = to_json(avro);
         let envelope = Envelope::deserialize(&payload).map_err(|e| json_reason(&e))?;
-        build(envelope, Some(&compiled), position, &mut self.names)
+        build(
+            envelope,
+            Some(&compiled.converter),
+            position,
+            &mut self.names,
+        )
     }
 
     fn make_room(&mut self) {

@@ -13,6 +13,7 @@
 //! runtime can dead-letter it.
 
 pub mod encode;
+mod key;
 pub mod logical;
 
 use std::borrow::Cow;
@@ -52,6 +53,7 @@ pub struct DebeziumDecoder {
     /// simd-json parses in place: each record is copied here first.
     scratch: Vec<u8>,
     buffers: Option<simd_json::Buffers>,
+    keys: key::SimpleKeys,
 }
 
 /// Shares the strings every event of a table repeats (schema, table, connector, db), so an event
@@ -306,6 +308,9 @@ impl DebeziumDecoder {
     /// Decodes a record key (a Kafka message key): a JSON object of the key columns, bare or
     /// wrapped with its schema (whose logical types are honoured); `None` for a JSON `null`.
     pub fn decode_key_bytes(&mut self, bytes: &[u8]) -> Result<Option<Row>, String> {
+        if let Some(row) = self.keys.row(bytes) {
+            return Ok(Some(row));
+        }
         let raw: &RawValue = serde_json::from_slice(bytes).map_err(|e| json_reason(&e))?;
         self.decode_key(raw)
     }

@@ -15,13 +15,16 @@
 //! released uncommitted and the next owner reads them again (at least once; the sinks' position
 //! guard keeps the older write from winning).
 //!
-//! **Threads.** One thread polls the consumer, decodes the messages and sends chunks to the
-//! runtime over a bounded channel (backpressure: a full channel stops the polling, and
-//! librdkafka's own fetch queue is bounded). The rebalance callbacks run on that thread.
+//! **Threads.** One thread polls the consumer and copies the messages into chunks; a second
+//! one decodes the chunks, in the order read, and sends them to the runtime ([`decoding`]).
+//! Both hand-offs are bounded channels (backpressure: a full channel stops the decoding, then
+//! the polling, and librdkafka's own fetch queue is bounded). The rebalance callbacks run on
+//! the polling thread; a revoke waits for what was handed to the decoding thread too.
 
 mod avro;
 mod consumer;
 mod decode;
+mod decoding;
 pub mod metrics;
 #[cfg(test)]
 mod tests;

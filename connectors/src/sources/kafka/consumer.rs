@@ -1,9 +1,10 @@
-//! The consumer thread: polls the group's consumer, decodes, hands chunks to the runtime,
-//! commits what the runtime reports durable, and drains revoked partitions in the rebalance
-//! callback (see the module documentation of [`super`]).
+//! The consumer thread: polls the group's consumer, hands chunks of raw messages to the
+//! decoding thread ([`super::decoding`]), commits what the runtime reports durable, and drains
+//! revoked partitions in the rebalance callback (see the module documentation of [`super`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -17,15 +18,14 @@ use refract_schemas::Checkpoint;
 use refract_schemas::config::{KafkaFormat, KafkaSourceConfig, KafkaStart};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::decode::{JsonValues, Message, MessageDecoder};
+use super::decode::{JsonValues, MessageDecoder};
+use super::decoding::{self, Chunk, RawBatch, RawChunk};
 use super::metrics;
 use super::{CHUNK_MESSAGES, DRAIN_TIMEOUT, POLL_INTERVAL};
-use crate::{ReadMode, SourceError, SourceItem};
+use crate::{ReadMode, SourceError};
 
 /// Timeout of the metadata requests made in callbacks (watermarks, committed offsets).
 const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
-
-type Chunk = Result<Vec<SourceItem>, SourceError>;
 
 /// What the consumer thread is built from.
 pub(super) struct Setup<'a> {
@@ -54,8 +54,9 @@ struct Owned {
 /// State shared by the polling loop and the rebalance callbacks (both on the consumer thread;
 /// the mutex only satisfies the context's `Sync` bound).
 struct Tracker {
-    tx: Option<mpsc::Sender<Chunk>>,
-    pending: Vec<SourceItem>,
+    /// The decoding thread's input; `None` once the stream has ended.
+    tx: Option<SyncSender<RawBatch>>,
+    pending: RawChunk,
     /// The first and last offset of each partition among `pending`.
     pending_range: HashMap<Arc<str>, (i64, i64)>,
     owned: HashMap<Arc<str>, Owned>,
@@ -268,14 +269,17 @@ impl Context {
         self.tracker().owned.extend(owned);
     }
 
-    /// Sends the messages read so far to the runtime (blocking while its queue is full).
+    /// Sends the messages read so far to the decoding thread, and so to the runtime (blocking
+    /// while its queue is full).
     fn hand_over(&self) {
         let (chunk, ranges, tx) = {
             let mut tracker = self.tracker();
             if tracker.pending.is_empty() {
                 return;
             }
-            let chunk = std::mem::take(&mut tracker.pending);
+            // The next chunk is likely as large as this one.
+            let capacity = tracker.pending.bytes();
+            let chunk = std::mem::replace(&mut tracker.pending, RawChunk::with_capacity(capacity));
             self.progress
                 .done
                 .fetch_add(chunk.len() as u64, Ordering::Relaxed);
@@ -283,7 +287,7 @@ impl Context {
             (chunk, ranges, tracker.tx.clone())
         };
         let Some(tx) = tx else { return };
-        if tx.blocking_send(Ok(chunk)).is_err() {
+        if tx.send(Ok(chunk)).is_err() {
             return;
         }
         let mut tracker = self.tracker();
@@ -301,32 +305,55 @@ pub(super) fn partition_name(topic: &str, partition: i32) -> Arc<str> {
     format!("{topic}/{partition}").into()
 }
 
-/// [`partition_name`], made once per partition.
-fn cached_name(
-    names: &mut HashMap<(String, i32), Arc<str>>,
-    topic: &str,
-    partition: i32,
-) -> Arc<str> {
-    if let Some(n) = names.get(&(topic.to_owned(), partition)) {
-        return n.clone();
+/// A topic's name, and its partitions' names by number.
+type TopicNames = (Arc<str>, HashMap<i32, Arc<str>>);
+
+/// The topic names and [`partition_name`]s of the messages read, each made once.
+#[derive(Default)]
+struct Names {
+    /// By topic.
+    topics: HashMap<Box<str>, TopicNames>,
+    /// The partition looked up last: consecutive messages are mostly of one partition (a
+    /// fetched batch), which then costs no hashing.
+    last: Option<(Arc<str>, i32, Arc<str>)>,
+}
+
+impl Names {
+    /// The topic's name and the source partition's name.
+    fn get(&mut self, topic: &str, partition: i32) -> (Arc<str>, Arc<str>) {
+        if let Some((t, p, n)) = &self.last {
+            if *p == partition && **t == *topic {
+                return (t.clone(), n.clone());
+            }
+        }
+        if !self.topics.contains_key(topic) {
+            self.topics
+                .insert(topic.into(), (topic.into(), HashMap::new()));
+        }
+        let (t, partitions) = self
+            .topics
+            .get_mut(topic)
+            .expect("the topic was just inserted");
+        let n = partitions
+            .entry(partition)
+            .or_insert_with(|| partition_name(topic, partition))
+            .clone();
+        let t = t.clone();
+        self.last = Some((t.clone(), partition, n.clone()));
+        (t, n)
     }
-    let n = partition_name(topic, partition);
-    names.insert((topic.to_owned(), partition), n.clone());
-    n
 }
 
 /// The thread that owns the consumer.
 pub(super) struct ConsumerThread {
     consumer: BaseConsumer<Context>,
-    decoder: MessageDecoder,
     mode: ReadMode,
     stop: Arc<AtomicBool>,
-    /// Partition names by topic and number, made once.
-    names: HashMap<(String, i32), Arc<str>>,
+    names: Names,
 }
 
 impl ConsumerThread {
-    /// Creates the consumer and joins the group.
+    /// Creates the consumer and joins the group; starts the decoding thread.
     pub(super) async fn open(setup: Setup<'_>) -> Result<Self, SourceError> {
         let config = setup.config;
         let decoder = match config.format {
@@ -337,10 +364,11 @@ impl ConsumerThread {
                 setup.stop.clone(),
             )?),
         };
+        let tx = decoding::spawn(decoder, setup.tx)?;
         let context = Context {
             tracker: Mutex::new(Tracker {
-                tx: Some(setup.tx),
-                pending: Vec::new(),
+                tx: Some(tx),
+                pending: RawChunk::default(),
                 pending_range: HashMap::new(),
                 owned: HashMap::new(),
             }),
@@ -359,10 +387,9 @@ impl ConsumerThread {
             .map_err(|e| io(format!("cannot subscribe to {topics:?}: {e}")))?;
         Ok(Self {
             consumer,
-            decoder,
             mode: setup.mode,
             stop: setup.stop,
-            names: HashMap::new(),
+            names: Names::default(),
         })
     }
 
@@ -375,10 +402,11 @@ impl ConsumerThread {
         context.hand_over();
         if let Err(e) = outcome {
             if let Some(tx) = context.tracker().tx.clone() {
-                let _ = tx.blocking_send(Err(e));
+                let _ = tx.send(Err(e));
             }
         }
-        // The runtime sees the end of the stream, drains and writes its last checkpoint.
+        // The decoding thread passes on what it was handed and ends; the runtime sees the end
+        // of the stream, drains and writes its last checkpoint.
         context.tracker().tx = None;
         let _ = finish.blocking_recv();
         context.closing.store(true, Ordering::Relaxed);
@@ -402,18 +430,17 @@ impl ConsumerThread {
             }
             match self.consumer.poll(POLL_INTERVAL) {
                 Some(Ok(message)) => {
-                    let name = cached_name(&mut self.names, message.topic(), message.partition());
-                    let item = self.decoder.decode(&Message {
-                        topic: message.topic(),
-                        partition: &name,
-                        offset: message.offset(),
-                        key: message.key(),
-                        value: message.payload(),
-                    });
+                    let (topic, name) = self.names.get(message.topic(), message.partition());
+                    let offset = message.offset();
                     let full = {
                         let mut tracker = self.context().tracker();
-                        tracker.pending.push(item);
-                        let offset = message.offset();
+                        tracker.pending.push(
+                            &topic,
+                            &name,
+                            offset,
+                            message.key(),
+                            message.payload(),
+                        );
                         tracker
                             .pending_range
                             .entry(name)

@@ -29,6 +29,8 @@ pub(crate) struct Message<'a> {
     pub offset: i64,
     pub key: Option<&'a [u8]>,
     pub value: Option<&'a [u8]>,
+    /// The bytes kept for the dead-letter store: the value, or the key of a tombstone.
+    pub raw: Bytes,
 }
 
 impl Message<'_> {
@@ -37,11 +39,6 @@ impl Message<'_> {
             partition: self.partition.clone(),
             offset: Offset(self.offset.max(0) as u64, 0),
         }
-    }
-
-    /// The bytes kept for the dead-letter store: the value, or the key of a tombstone.
-    pub(crate) fn raw(&self) -> Bytes {
-        Bytes::copy_from_slice(self.value.or(self.key).unwrap_or_default())
     }
 }
 
@@ -113,7 +110,7 @@ impl MessageDecoder {
         }
         SourceItem {
             record,
-            raw: message.raw(),
+            raw: message.raw.clone(),
         }
     }
 
