@@ -104,10 +104,10 @@ impl Processor {
     pub(super) async fn dispatch(&mut self) -> Result<(), RunError> {
         // Changes outside marked transactions (a snapshot, a Kafka topic without transaction
         // metadata) take effect at the batch's end, together.
-        if !self.in_transaction
-            && let Some(position) = self.last_position.take()
-        {
-            self.end_transaction(&position).await?;
+        if !self.in_transaction {
+            if let Some(position) = self.last_position.take() {
+                self.end_transaction(&position).await?;
+            }
         }
         self.send_batch(None).await
     }

@@ -120,16 +120,16 @@ impl Processor {
         for item in &mut items {
             // A transaction's end emits what it buffered before its END marker is in the batch:
             // a batch cut inside the emission never carries the END's position.
-            if let Some(end) = transaction_end(item)
-                && let Err(e) = self.end_transaction(&end).await
-            {
-                if matches!(
-                    e,
-                    RunError::ProjectionState { .. } | RunError::KeyedState(_)
-                ) {
-                    self.drain().await?;
+            if let Some(end) = transaction_end(item) {
+                if let Err(e) = self.end_transaction(&end).await {
+                    if matches!(
+                        e,
+                        RunError::ProjectionState { .. } | RunError::KeyedState(_)
+                    ) {
+                        self.drain().await?;
+                    }
+                    return Err(e);
                 }
-                return Err(e);
             }
             if let Err(e) = self.process(item, now) {
                 // What came before bad input is written; after a state failure nothing more
