@@ -440,7 +440,7 @@ fn run_and_kill_logged(pipeline: &Path, lifetime: Duration, log: &Path) -> bool 
         .open(log)
         .unwrap();
     writeln!(file, "--- run for {} ms", lifetime.as_millis()).unwrap();
-    let mut daemon = Running::spawn(
+    run_and_kill_with(
         refract()
             .arg("run")
             .arg(pipeline)
@@ -448,15 +448,8 @@ fn run_and_kill_logged(pipeline: &Path, lifetime: Duration, log: &Path) -> bool 
             .env("NO_COLOR", "1")
             .stdout(std::process::Stdio::null())
             .stderr(file),
-    );
-    std::thread::sleep(lifetime);
-    let child = daemon.child();
-    let landed = child.try_wait().unwrap().is_none();
-    if landed {
-        child.kill().unwrap();
-    }
-    child.wait().unwrap();
-    landed
+        lifetime,
+    )
 }
 
 #[test]

@@ -259,13 +259,20 @@ fn read_documents(out: &Path, strict: bool) -> BTreeMap<(String, String), Value>
 /// Runs `refract run PIPELINE` (output discarded) for `lifetime`, then SIGKILLs it if it still
 /// runs; returns whether the kill landed on a running process.
 pub fn run_and_kill(pipeline: &Path, lifetime: std::time::Duration) -> bool {
-    let mut daemon = Running::spawn(
+    run_and_kill_with(
         refract()
             .arg("run")
             .arg(pipeline)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null()),
-    );
+        lifetime,
+    )
+}
+
+/// Starts `command` (a `refract` command with its output set up by the caller) and SIGKILLs it
+/// after `lifetime` unless it ended; returns whether the kill landed.
+pub fn run_and_kill_with(command: &mut Command, lifetime: std::time::Duration) -> bool {
+    let mut daemon = Running::spawn(command);
     std::thread::sleep(lifetime);
     let child = daemon.child();
     let landed = child.try_wait().unwrap().is_none();
