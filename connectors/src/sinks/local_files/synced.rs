@@ -31,6 +31,11 @@ use object_store::{
 
 use super::{sync_files, sync_path};
 
+/// Most directories remembered as durable: the cold tier makes a directory per device and day,
+/// and a fleet of millions must not grow the set without end. Forgetting them costs only
+/// syncing some ancestors again.
+const KNOWN_DIRECTORIES_MAX: usize = 100_000;
+
 /// The local backend, with every write synced before it returns.
 #[derive(Debug)]
 pub(crate) struct SyncedLocalStore {
@@ -55,6 +60,9 @@ impl Directories {
         };
         let mut dirs = vec![dir.to_path_buf()];
         let mut known = self.known.lock().expect("the set of known directories");
+        if known.len() >= KNOWN_DIRECTORIES_MAX {
+            known.clear();
+        }
         if known.insert(dir.to_path_buf()) {
             dirs.extend(
                 dir.ancestors()
