@@ -39,7 +39,7 @@ fn main() -> Result<(), String> {
     rt.block_on(async {
         let mut reader = TierReader::new(&layout).map_err(|e| e.to_string())?;
         let client =
-            redis::Client::open(layout.stores.hot.url.as_str()).map_err(|e| e.to_string())?;
+            redis::Client::open(layout.stores.hot.url.expose()).map_err(|e| e.to_string())?;
         let mut raw = client
             .get_multiplexed_async_connection()
             .await

@@ -25,7 +25,7 @@ const ORDERS: &str = r#"{"type":"record","name":"Value","namespace":"dbserver1.p
 const QUICK_BACKOFF: Duration = Duration::from_millis(10);
 
 fn client(registry: &TestRegistry) -> SchemaRegistry {
-    SchemaRegistry::new(&registry.url, None, None, None).unwrap()
+    SchemaRegistry::new(&registry.url.as_str().into(), None, None, None).unwrap()
 }
 
 /// Waits until `done` holds, failing the test after 10 s.
@@ -126,9 +126,14 @@ async fn a_fallback_file_stands_in_for_a_registry_that_stays_down() {
     registry.set_down(true);
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join(format!("{id}.avsc")), ORDERS).unwrap();
-    let reader = SchemaRegistry::new(&registry.url, None, None, Some(dir.path().to_owned()))
-        .unwrap()
-        .with_retry(3, QUICK_BACKOFF);
+    let reader = SchemaRegistry::new(
+        &registry.url.as_str().into(),
+        None,
+        None,
+        Some(dir.path().to_owned()),
+    )
+    .unwrap()
+    .with_retry(3, QUICK_BACKOFF);
 
     let schema = within(reader.schema(id)).await.unwrap();
     assert_eq!(
@@ -166,7 +171,7 @@ async fn basic_auth_is_sent_and_the_password_never_shown() {
     assert!(!err.is_retryable());
 
     let given = SchemaRegistry::new(
-        &registry.url,
+        &registry.url.as_str().into(),
         Some("svc".into()),
         Some("hunter2".into()),
         None,
@@ -175,12 +180,12 @@ async fn basic_auth_is_sent_and_the_password_never_shown() {
     within(given.schema(id)).await.unwrap();
 
     let in_url = registry.url.replace("http://", "http://svc:hunter2@");
-    let from_url = SchemaRegistry::new(&in_url, None, None, None).unwrap();
+    let from_url = SchemaRegistry::new(&in_url.into(), None, None, None).unwrap();
     within(from_url.schema(id)).await.unwrap();
 
     let wrong = registry.url.replace("http://", "http://svc:wrong-secret@");
     let err = within(
-        SchemaRegistry::new(&wrong, None, None, None)
+        SchemaRegistry::new(&wrong.clone().into(), None, None, None)
             .unwrap()
             .schema(id),
     )
@@ -191,7 +196,7 @@ async fn basic_auth_is_sent_and_the_password_never_shown() {
 
     registry.set_down(true);
     let err = within(
-        SchemaRegistry::new(&wrong, None, None, None)
+        SchemaRegistry::new(&wrong.clone().into(), None, None, None)
             .unwrap()
             .with_retry(2, QUICK_BACKOFF)
             .schema(id),

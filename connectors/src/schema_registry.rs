@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use apache_avro::Schema;
 use refract_schemas::avro::parse_schema;
-use refract_schemas::config::mask_url;
+use refract_schemas::config::{Secret, SecretUrl};
 use serde_json::{Value, json};
 
 /// Attempts at reaching the registry before falling back: with the backoff below, about 15 s of
@@ -100,7 +100,7 @@ pub struct SchemaRegistry {
     base: url::Url,
     /// The URL as logs and errors show it.
     shown: String,
-    auth: Option<(String, Option<String>)>,
+    auth: Option<(String, Option<Secret>)>,
     fallback_dir: Option<PathBuf>,
     client: reqwest::Client,
     cache: Mutex<HashMap<u32, Arc<Schema>>>,
@@ -126,17 +126,20 @@ impl SchemaRegistry {
     /// A client of the registry at `url`, with basic auth when `username` is given (credentials
     /// inside the URL are used when none are), falling back to `{fallback_dir}/{id}.avsc` files.
     pub fn new(
-        url: &str,
+        url: &SecretUrl,
         username: Option<String>,
-        password: Option<String>,
+        password: Option<Secret>,
         fallback_dir: Option<PathBuf>,
     ) -> Result<Self, RegistryError> {
-        let shown = mask_url(url);
-        let mut base = url::Url::parse(url)
+        let shown = url.masked();
+        let mut base = url::Url::parse(url.expose())
             .map_err(|e| RegistryError::Config(format!("`{shown}` is not a URL: {e}")))?;
         let in_url = (!base.username().is_empty()).then(|| {
             let decode = |s: &str| percent_decode(s).unwrap_or_else(|| s.to_owned());
-            (decode(base.username()), base.password().map(decode))
+            (
+                decode(base.username()),
+                base.password().map(|p| Secret::from(decode(p))),
+            )
         });
         let _ = base.set_username("");
         let _ = base.set_password(None);
@@ -241,7 +244,9 @@ impl SchemaRegistry {
     fn with_auth(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
         let request = request.header(reqwest::header::ACCEPT, CONTENT_TYPE);
         match &self.auth {
-            Some((user, password)) => request.basic_auth(user, password.as_ref()),
+            Some((user, password)) => {
+                request.basic_auth(user, password.as_ref().map(Secret::expose))
+            }
             None => request,
         }
     }
@@ -409,21 +414,31 @@ mod tests {
 
     #[test]
     fn urls_lose_their_credentials_and_keep_their_path() {
-        let r = SchemaRegistry::new("https://bob:s%40cret@reg.example/prefix", None, None, None)
-            .unwrap();
-        assert_eq!(r.auth, Some(("bob".to_owned(), Some("s@cret".to_owned()))));
+        let r = SchemaRegistry::new(
+            &"https://bob:s%40cret@reg.example/prefix".into(),
+            None,
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(r.auth, Some(("bob".to_owned(), Some("s@cret".into()))));
         assert_eq!(
             r.url(&["schemas", "ids", "7"]).as_str(),
             "https://reg.example/prefix/schemas/ids/7"
         );
         assert!(!r.shown.contains("cret"), "{}", r.shown);
-        let r = SchemaRegistry::new("http://reg:8081/", Some("u".into()), Some("p".into()), None)
-            .unwrap();
+        let r = SchemaRegistry::new(
+            &"http://reg:8081/".into(),
+            Some("u".into()),
+            Some("p".into()),
+            None,
+        )
+        .unwrap();
         assert_eq!(
             r.url(&["subjects", "a/b", "versions"]).as_str(),
             "http://reg:8081/subjects/a%2Fb/versions"
         );
-        assert!(SchemaRegistry::new("not a url", None, None, None).is_err());
+        assert!(SchemaRegistry::new(&"not a url".into(), None, None, None).is_err());
     }
 
     #[test]

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use object_store::ObjectStore;
 use object_store::path::Path;
-use refract_schemas::config::{TierLayout, mask_url};
+use refract_schemas::config::TierLayout;
 
 /// The advisory lock both cold writers (the sink's late heartbeats and an aging run) hold while
 /// they read and rewrite a day's files: `pg_advisory_lock(hashtext(…))` on the warm database.
@@ -41,13 +41,13 @@ pub(crate) fn quote_literal(text: &str) -> String {
 /// Connects to the warm tier's database (the connection runs on a task of its own).
 pub async fn connect_warm(layout: &TierLayout) -> Result<tokio_postgres::Client, TierError> {
     let url = &layout.stores.warm.url;
-    let config: tokio_postgres::Config = url.parse().map_err(|e| {
-        TierError::Config(format!("invalid PostgreSQL URL `{}`: {e}", mask_url(url)))
+    let config: tokio_postgres::Config = url.expose().parse().map_err(|e| {
+        TierError::Config(format!("invalid PostgreSQL URL `{}`: {e}", url.masked()))
     })?;
     let (client, connection) = config
         .connect(tokio_postgres::NoTls)
         .await
-        .map_err(|e| TierError::Warm(format!("cannot connect to {}", mask_url(url)), e))?;
+        .map_err(|e| TierError::Warm(format!("cannot connect to {}", url.masked()), e))?;
     tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "warm tier connection ended");
@@ -58,20 +58,20 @@ pub async fn connect_warm(layout: &TierLayout) -> Result<tokio_postgres::Client,
 
 /// Opens the cold tier's object store and its root.
 pub fn open_cold(layout: &TierLayout) -> Result<(Arc<dyn ObjectStore>, Path), TierError> {
-    crate::sinks::object_json::open_store(&layout.stores.cold.url).map_err(|e| {
+    crate::sinks::object_json::open_store(layout.stores.cold.url.expose()).map_err(|e| {
         TierError::Config(format!(
             "cold tier `{}`: {e}",
-            mask_url(&layout.stores.cold.url)
+            layout.stores.cold.url.masked()
         ))
     })
 }
 
 /// A Redis client for the hot tier.
 pub fn hot_client(layout: &TierLayout) -> Result<redis::Client, TierError> {
-    redis::Client::open(layout.stores.hot.url.as_str()).map_err(|e| {
+    redis::Client::open(layout.stores.hot.url.expose()).map_err(|e| {
         TierError::Config(format!(
             "hot tier `{}`: {e}",
-            mask_url(&layout.stores.hot.url)
+            layout.stores.hot.url.masked()
         ))
     })
 }

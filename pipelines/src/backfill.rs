@@ -127,7 +127,7 @@ async fn through_daemon(
     let name = &loaded.config.pipeline.name;
     let started = Instant::now();
     let asked = snapshot::Asked::send(
-        &pg.url,
+        pg.url.expose(),
         &pg.publication_name(name),
         &pg.slot_name(name),
         state,

@@ -12,7 +12,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use refract_connectors::sources::postgres::{InspectError, PgAdmin};
-use refract_schemas::config::{LoadedPipeline, PostgresSourceConfig, SourceConfig, mask_url};
+use refract_schemas::config::{LoadedPipeline, PostgresSourceConfig, SourceConfig};
 
 use crate::checkpoint::{CheckpointError, CheckpointStore};
 use crate::plan::pretty_bytes;
@@ -67,7 +67,7 @@ pub async fn run(loaded: &LoadedPipeline, yes: bool) -> u8 {
         let url = if loaded.secret_paths.contains("source.url") {
             "*** (secret)".to_owned()
         } else {
-            mask_url(&pg.url)
+            pg.url.masked()
         };
         let targets = pg_targets_of(pg, name, &url, &mut drops, &mut kept);
         match tokio::time::timeout(DB_TIMEOUT, targets).await {
@@ -196,7 +196,7 @@ async fn pg_targets_of(
     kept: &mut Vec<String>,
 ) -> Result<PgTargets, Refusal> {
     let fail = |e: InspectError| Refusal(format!("PostgreSQL {url}: {e}"));
-    let admin = PgAdmin::connect(&pg.url).await.map_err(fail)?;
+    let admin = PgAdmin::connect(pg.url.expose()).await.map_err(fail)?;
     let server = admin.server().await.map_err(fail)?;
     let slot_name = pg.slot_name(pipeline);
     let publication_name = pg.publication_name(pipeline);

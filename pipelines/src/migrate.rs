@@ -133,7 +133,7 @@ impl Migration {
     /// the tables are configuration errors naming the field.
     pub async fn open(path: &Path, file: MigrationFile) -> Result<Self, MigrateError> {
         let m = &file.migration;
-        let client = connect(&m.url).await?;
+        let client = connect(m.url.expose()).await?;
         let source = read_table(&client, &m.source).await?;
         let target = read_table(&client, &m.target).await?;
         let transform =

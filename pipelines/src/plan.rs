@@ -40,7 +40,7 @@ pub async fn check_source(loaded: &LoadedPipeline) -> SourceCheck {
         return SourceCheck::NotApplicable;
     };
     let inspect = async {
-        let admin = PgAdmin::connect(&pg.url).await?;
+        let admin = PgAdmin::connect(pg.url.expose()).await?;
         admin.inspect(pg, &loaded.config.pipeline.name).await
     };
     match tokio::time::timeout(CHECK_TIMEOUT, inspect).await {

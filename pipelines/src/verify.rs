@@ -174,7 +174,7 @@ pub async fn run(loaded: &LoadedPipeline) -> Result<Report, VerifyError> {
         ));
     }
 
-    let reader = TableReader::open(&pg.url).await?;
+    let reader = TableReader::open(pg.url.expose()).await?;
     let publication = pg.publication_name(&config.pipeline.name);
     let tables = reader.published(&publication).await?;
     if tables.is_empty() {
@@ -231,7 +231,7 @@ pub async fn run(loaded: &LoadedPipeline) -> Result<Report, VerifyError> {
                         Some(_) => {}
                     }
                 };
-                read_documents(&s.url, &s.schema, &table, &mut visit).await?;
+                read_documents(s.url.expose(), &s.schema, &table, &mut visit).await?;
                 for key in remaining.into_keys() {
                     note(&mut comparison.missing, key);
                 }

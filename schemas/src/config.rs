@@ -14,6 +14,7 @@ pub mod interpolate;
 mod kafka;
 mod load;
 mod migration;
+mod secret;
 mod tiers;
 mod validate;
 
@@ -33,6 +34,7 @@ pub use migration::{
     MigrationProjectionConfig, MigrationSection, MigrationSinkConfig, TableShape, TransformKind,
     is_migration_text,
 };
+pub use secret::{REDACTED, Secret, SecretUrl};
 pub use tiers::{
     ColdTierConfig, DEFAULT_AGING_INTERVAL_MS, DEFAULT_PARTITIONS_AHEAD, HotTierConfig, TierColumn,
     TierColumnType, TierLayout, TiersProjectionConfig, TiersSinkConfig, WarmTierConfig,
@@ -176,7 +178,7 @@ pub struct DeadLetterConfig {
     /// Object-store prefix (`file:///…`, `s3://…`, `gs://…`, `az://…`): one NDJSON object per batch
     /// that had bad input, named by its position range.
     #[serde(default)]
-    pub url: Option<String>,
+    pub url: Option<SecretUrl>,
 }
 
 /// The source of change events.
@@ -197,7 +199,7 @@ pub enum SourceConfig {
 pub struct PostgresSourceConfig {
     /// Connection URL (`postgres://user:password@host:port/db`); the role needs the REPLICATION
     /// attribute, and CREATE on the database to create the publication.
-    pub url: String,
+    pub url: SecretUrl,
     /// Replication slot name; default `refract_{pipeline name}`.
     #[serde(default)]
     pub slot: Option<String>,
@@ -768,7 +770,7 @@ impl SinkConfig {
 pub struct ObjectJsonSinkConfig {
     /// Object-store URL: `file:///abs/dir`, `s3://bucket/prefix`, `gs://…`, `az://…`, `memory:///`.
     /// Cloud credentials come from the usual environment variables (`AWS_*`, `GOOGLE_*`, `AZURE_*`).
-    pub url: String,
+    pub url: SecretUrl,
     /// Object writes in flight at once, 1 to 1,024.
     #[serde(default = "default_concurrency")]
     pub concurrency: usize,
@@ -802,13 +804,13 @@ pub enum RedisDeleteCommand {
 pub struct RedisSinkConfig {
     /// `redis://host:port/db`, or `rediss://` for TLS. User and password may be in the URL or in
     /// `username` / `password`.
-    pub url: String,
+    pub url: SecretUrl,
     /// ACL user name (`${REDIS_USERNAME}`); overrides the URL's.
     #[serde(default)]
     pub username: Option<String>,
     /// Password (`${REDIS_PASSWORD}`); overrides the URL's. Never logged or shown by `plan`.
     #[serde(default)]
-    pub password: Option<String>,
+    pub password: Option<Secret>,
     /// PEM file of the certificate authority that signed the server's certificate, for a
     /// `rediss://` server with a private CA (default: the public web roots).
     #[serde(default)]
@@ -880,7 +882,7 @@ fn default_unhealthy_after_ms() -> u64 {
 pub struct ParquetSinkConfig {
     /// Object-store URL: `file:///abs/dir`, `s3://bucket/prefix`, `gs://…`, `az://…`. Cloud
     /// credentials come from the usual environment variables (`AWS_*`, `GOOGLE_*`, `AZURE_*`).
-    pub url: String,
+    pub url: SecretUrl,
     /// zstd level, 1 to 22.
     #[serde(default = "default_zstd_level")]
     pub zstd_level: i32,
@@ -961,7 +963,7 @@ fn default_compact_interval_ms() -> u64 {
 #[serde(deny_unknown_fields)]
 pub struct PostgresSinkConfig {
     /// Connection URL (`${TARGET_PG_URL:-${PG_URL:-postgres://…}}` in shipped files).
-    pub url: String,
+    pub url: SecretUrl,
     /// Schema of the read-model tables (created when missing).
     #[serde(default = "default_read_model_schema")]
     pub schema: String,
@@ -1031,7 +1033,7 @@ pub struct KafkaSinkConfig {
     /// `"sasl.password" = "${KAFKA_PASSWORD}"`); secret ones are masked by `plan`. Those the sink
     /// sets itself (idempotence, acks, timeouts, compression, brokers) are refused.
     #[serde(default)]
-    pub properties: BTreeMap<String, String>,
+    pub properties: BTreeMap<String, Secret>,
 }
 
 /// Compression of Kafka message batches.

@@ -130,7 +130,7 @@ impl KafkaSink {
     fn client_config(&self) -> ClientConfig {
         let mut c = ClientConfig::new();
         for (key, value) in &self.config.properties {
-            c.set(key, value);
+            c.set(key, value.expose());
         }
         let compression = match self.config.compression {
             KafkaCompression::Lz4 => "lz4",

@@ -205,7 +205,7 @@ impl Sink for MigrationSink {
             return Ok(());
         }
         let result = async {
-            let client = connect(&self.config.url).await?;
+            let client = connect(self.config.url.expose()).await?;
             let row = self.control.require(&client).await?;
             let applied = row
                 .get("applied_position")

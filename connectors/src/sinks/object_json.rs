@@ -336,16 +336,14 @@ pub(crate) fn remove_local_staging_files(dir: &std::path::Path) -> std::io::Resu
 #[async_trait]
 impl Sink for ObjectJsonSink {
     async fn open(&mut self, _resume: &Checkpoint) -> Result<(), SinkError> {
-        let (store, root) =
-            open_store_unsynced(&self.config.url).map_err(|message| SinkError::Permanent {
+        let (store, root) = open_store_unsynced(self.config.url.expose()).map_err(|message| {
+            SinkError::Permanent {
                 sink: self.name.clone(),
-                message: format!(
-                    "cannot open `{}`: {message}",
-                    refract_schemas::config::mask_url(&self.config.url)
-                ),
+                message: format!("cannot open `{}`: {message}", self.config.url.masked()),
                 source: None,
-            })?;
-        if let Some(dir) = self.config.url.strip_prefix("file://") {
+            }
+        })?;
+        if let Some(dir) = self.config.url.strip_scheme("file") {
             let removed = remove_local_staging_files(std::path::Path::new(dir)).map_err(|e| {
                 SinkError::Transient {
                     sink: self.name.clone(),
@@ -357,7 +355,7 @@ impl Sink for ObjectJsonSink {
                 tracing::info!(sink = %self.name, removed, "removed staging files of interrupted writes");
             }
         }
-        self.local = LocalStore::for_url(&self.config.url, &root)
+        self.local = LocalStore::for_url(self.config.url.expose(), &root)
             .transpose()
             .map_err(|e| self.transient(format!("cannot map {root} to a directory"), e))?;
         if let Some(local) = &self.local {
@@ -449,7 +447,7 @@ mod tests {
         let mut sink = ObjectJsonSink::new(
             "t",
             ObjectJsonSinkConfig {
-                url,
+                url: url.into(),
                 concurrency: 4,
                 pretty: false,
             },
@@ -506,7 +504,7 @@ mod tests {
         let mut sink = ObjectJsonSink::new(
             "t",
             ObjectJsonSinkConfig {
-                url,
+                url: url.into(),
                 concurrency: 4,
                 pretty: false,
             },
@@ -549,7 +547,7 @@ mod tests {
         let mut sink = ObjectJsonSink::new(
             "t",
             ObjectJsonSinkConfig {
-                url,
+                url: url.into(),
                 concurrency: 4,
                 pretty: false,
             },

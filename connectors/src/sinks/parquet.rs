@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
-use refract_schemas::config::{ParquetSinkConfig, mask_url};
+use refract_schemas::config::ParquetSinkConfig;
 use refract_schemas::write::flat::{FlatOp, FlatSchema};
 use refract_schemas::write::{OpFamily, RowChange};
 use refract_schemas::{Checkpoint, Offset};
@@ -572,14 +572,14 @@ fn classify(sink: &str, message: String, e: object_store::Error) -> SinkError {
 impl Sink for ParquetSink {
     async fn open(&mut self, resume: &Checkpoint) -> Result<(), SinkError> {
         self.resume = resume.clone();
-        let (store, root) = open_store(&self.config.url).map_err(|message| {
+        let (store, root) = open_store(self.config.url.expose()).map_err(|message| {
             self.error(
                 true,
-                format!("cannot open `{}`: {message}", mask_url(&self.config.url)),
+                format!("cannot open `{}`: {message}", self.config.url.masked()),
                 None,
             )
         })?;
-        if let Some(dir) = self.config.url.strip_prefix("file://") {
+        if let Some(dir) = self.config.url.strip_scheme("file") {
             let removed = remove_local_staging_files(std::path::Path::new(dir)).map_err(|e| {
                 self.error(
                     false,

@@ -32,7 +32,7 @@
 use std::collections::HashSet;
 
 use async_trait::async_trait;
-use refract_schemas::config::{POSTGRES_TOMBSTONES_TABLE, PostgresSinkConfig, mask_url};
+use refract_schemas::config::{POSTGRES_TOMBSTONES_TABLE, PostgresSinkConfig};
 use refract_schemas::write::{DocumentOp, OpFamily};
 use refract_schemas::{Checkpoint, Position};
 
@@ -130,15 +130,19 @@ impl PostgresSink {
         }
         self.ready.clear();
         let pg: tokio_postgres::Config =
-            self.config.url.parse().map_err(|e| SinkError::Permanent {
-                sink: self.name.clone(),
-                message: format!("invalid PostgreSQL URL `{}`", mask_url(&self.config.url)),
-                source: Some(Box::new(e)),
-            })?;
+            self.config
+                .url
+                .expose()
+                .parse()
+                .map_err(|e| SinkError::Permanent {
+                    sink: self.name.clone(),
+                    message: format!("invalid PostgreSQL URL `{}`", self.config.url.masked()),
+                    source: Some(Box::new(e)),
+                })?;
         let (client, connection) = match pg.connect(tokio_postgres::NoTls).await {
             Ok(c) => c,
             Err(e) => {
-                let what = format!("cannot connect to {}", mask_url(&self.config.url));
+                let what = format!("cannot connect to {}", self.config.url.masked());
                 return Err(self.classify(what, e));
             }
         };

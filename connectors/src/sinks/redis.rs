@@ -40,7 +40,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use redis::{IntoConnectionInfo, RedisError};
 use refract_schemas::Checkpoint;
-use refract_schemas::config::{RedisDeleteCommand, RedisSinkConfig, mask_url};
+use refract_schemas::config::{RedisDeleteCommand, RedisSinkConfig};
 use refract_schemas::write::{DocumentOp, Invalidation, OpFamily};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -142,7 +142,7 @@ impl RedisSink {
     }
 
     fn error(&self, what: &str, e: RedisError) -> SinkError {
-        error(&self.name, &self.config.url, what, e)
+        error(&self.name, self.config.url.expose(), what, e)
     }
 
     async fn connect(&self) -> Result<Connector, SinkError> {
@@ -152,13 +152,13 @@ impl RedisSink {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let config_error = |e: RedisError| SinkError::Permanent {
             sink: self.name.clone(),
-            message: format!("invalid Redis URL {}: {e}", mask_url(&self.config.url)),
+            message: format!("invalid Redis URL {}: {e}", self.config.url.masked()),
             source: Some(Box::new(e)),
         };
         let info = self
             .config
             .url
-            .as_str()
+            .expose()
             .into_connection_info()
             .map_err(config_error)?;
         let mut settings = info.redis_settings().clone();
@@ -166,7 +166,7 @@ impl RedisSink {
             settings = settings.set_username(user);
         }
         if let Some(password) = &self.config.password {
-            settings = settings.set_password(password);
+            settings = settings.set_password(password.expose());
         }
         let info = info.set_redis_settings(settings);
         let certificates = match &self.config.tls_ca_file {
@@ -467,7 +467,7 @@ impl Sink for RedisSink {
             ));
             self.second = Some(SecondDeletes { queue, task });
         }
-        tracing::info!(sink = %self.name, url = %mask_url(&self.config.url), command = ?self.config.command, "connected to Redis");
+        tracing::info!(sink = %self.name, url = %self.config.url.masked(), command = ?self.config.command, "connected to Redis");
         self.target = Some(Target::Redis(connector));
         Ok(())
     }
@@ -519,7 +519,7 @@ impl Sink for RedisSink {
                 Ok(Some(format!(
                     "Redis at {} did not answer: {commands} commands were written to {path} \
                      instead, and no key was deleted",
-                    mask_url(&self.config.url)
+                    self.config.url.masked()
                 )))
             }
             _ => Ok(None),

@@ -255,10 +255,14 @@ async fn send_hot(
         for command in chunk {
             pipe.add_command(command.clone()).ignore();
         }
-        connector
-            .run(&pipe)
-            .await
-            .map_err(|e| redis_error(name, &layout.stores.hot.url, "hot tier: cannot write", e))?;
+        connector.run(&pipe).await.map_err(|e| {
+            redis_error(
+                name,
+                layout.stores.hot.url.expose(),
+                "hot tier: cannot write",
+                e,
+            )
+        })?;
     }
     Ok(())
 }
@@ -273,7 +277,12 @@ impl Sink for TiersSink {
             .ok_or_else(|| SinkError::not_open("tiers"))?;
         if let Err(e) = connector.get().await {
             let url = self.layout()?.stores.hot.url.clone();
-            return Err(redis_error(&self.name, &url, "hot tier: cannot connect", e));
+            return Err(redis_error(
+                &self.name,
+                url.expose(),
+                "hot tier: cannot connect",
+                e,
+            ));
         }
         Ok(())
     }

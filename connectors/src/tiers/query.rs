@@ -30,7 +30,7 @@ use object_store::ObjectStore;
 use object_store::path::Path;
 use redis::AsyncConnectionConfig;
 use redis::aio::MultiplexedConnection;
-use refract_schemas::config::{TierColumnType, TierLayout, mask_url};
+use refract_schemas::config::{TierColumnType, TierLayout};
 use refract_schemas::write::tiers::{Heartbeat, Tier, device_hash};
 
 use super::warm::{self, real_value, timestamp_text};
@@ -172,7 +172,7 @@ impl TierReader {
             QueryError::Tier(TierError::Hot(
                 format!(
                     "cannot count `{key}` ({})",
-                    mask_url(&self.layout.stores.hot.url)
+                    self.layout.stores.hot.url.masked()
                 ),
                 e,
             ))
@@ -241,7 +241,7 @@ impl TierReader {
         self.hot = None;
         format!(
             "hot tier unavailable ({}): answering from warm and cold: {e}",
-            mask_url(&self.layout.stores.hot.url)
+            self.layout.stores.hot.url.masked()
         )
     }
 

@@ -121,7 +121,7 @@ pub async fn run(m: Migration, restart: bool) -> Result<ExitCode, MigrateError> 
         max_rows_per_second: m.file.migration.max_rows_per_second,
     };
     // A second connection reads the next chunk while the first writes (see `backfill::run`).
-    let second = refract_connectors::migration::connect(&m.file.migration.url).await?;
+    let second = refract_connectors::migration::connect(m.file.migration.url.expose()).await?;
     let done = backfill::run([&m.client, &second], &plan, restart, on_progress, on_reject).await;
     if let Some(bar) = &bar {
         bar.finish_and_clear();

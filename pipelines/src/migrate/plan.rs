@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use refract_connectors::migration::catalog::replica_identity_covers;
-use refract_schemas::config::{TransformKind, mask_url};
+use refract_schemas::config::TransformKind;
 use serde_json::Value;
 
 use super::{MigrateError, Migration, load};
@@ -23,7 +23,7 @@ pub fn run(path: &Path) -> ExitCode {
     let file = loaded.config.clone();
     let m = &file.migration;
     println!("migration `{}`", m.name);
-    println!("  database:       {}", mask_url(&m.url));
+    println!("  database:       {}", m.url.masked());
     println!(
         "  source:         `{}` (applications write it today)",
         m.source

@@ -181,7 +181,7 @@ pub async fn finalize(m: Migration, drop_old_table: bool) -> Result<ExitCode, Mi
         Ok(held) => drop(held),
         Err(e) => tracing::warn!("finalizing without the dual write's state: {e}"),
     }
-    let admin = PgAdmin::connect(&m.file.migration.url)
+    let admin = PgAdmin::connect(m.file.migration.url.expose())
         .await
         .map_err(|e| MigrationError::Refused(e.to_string()))?;
     let slot = m.file.slot();

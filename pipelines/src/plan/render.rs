@@ -108,7 +108,7 @@ fn checkpoint_summary(state: &Path) -> String {
 fn dead_letters(loaded: &LoadedPipeline) -> String {
     let c = &loaded.config;
     match (&c.pipeline.dead_letter.url, &c.pipeline.dead_letter.path) {
-        (Some(url), _) => shown(loaded, "pipeline.dead_letter.url", url),
+        (Some(url), _) => shown(loaded, "pipeline.dead_letter.url", url.expose()),
         (None, Some(path)) => shown(loaded, "pipeline.dead_letter.path", path),
         (None, None) => default_dead_letter_path(c).display().to_string(),
     }
@@ -149,7 +149,7 @@ fn render_postgres_source(
     let _ = writeln!(
         out,
         "reads  PostgreSQL {} through slot `{}` and publication `{}` ({}; created when missing: {})",
-        shown(loaded, "source.url", &pg.url),
+        shown(loaded, "source.url", pg.url.expose()),
         pg.slot_name(name),
         pg.publication_name(name),
         if pg.tables.is_empty() {
@@ -495,7 +495,7 @@ fn render_sink(out: &mut String, loaded: &LoadedPipeline, name: &str, s: &SinkCo
             let _ = writeln!(
                 out,
                 "writes `{name}` (migration): both tables of `{}` and its control row in `{}`",
-                mask_url(&m.url),
+                m.url.masked(),
                 m.control_table
             );
         }
@@ -515,7 +515,7 @@ fn render_object_json_sink(
     let _ = writeln!(
         out,
         "writes `{name}` (object_json): {}/{{collection}}/{{key}}.json, {} writes in flight",
-        shown(loaded, &format!("sinks.{name}.url"), &o.url),
+        shown(loaded, &format!("sinks.{name}.url"), o.url.expose()),
         o.concurrency
     );
 }
@@ -546,7 +546,7 @@ fn render_redis_sink(out: &mut String, loaded: &LoadedPipeline, name: &str, r: &
         } else {
             ""
         },
-        shown(loaded, &format!("sinks.{name}.url"), &r.url),
+        shown(loaded, &format!("sinks.{name}.url"), r.url.expose()),
         r.pipeline_depth,
         r.unhealthy_after_ms
     );
@@ -574,7 +574,7 @@ fn render_parquet_sink(
         out,
         "writes `{name}` (parquet): {}/{{table}}/changes/date=…/*.parquet (zstd {}, files of up to {} rows or {} MiB or {} s, \
          open files up to {} MiB in memory); {{table}}/current/ compacted {compaction}",
-        shown(loaded, &format!("sinks.{name}.url"), &p.url),
+        shown(loaded, &format!("sinks.{name}.url"), p.url.expose()),
         p.zstd_level,
         p.roll_rows,
         p.roll_bytes >> 20,
@@ -595,7 +595,7 @@ fn render_postgres_sink(
         "writes `{name}` (postgres): {} table {}.{} (id, doc jsonb, source_position; created when missing), \
          one transaction per batch, {} documents per upsert, guarded by source position and by \
          tombstones in {}.refract_tombstones (kept at least {} ms)",
-        shown(loaded, &format!("sinks.{name}.url"), &p.url),
+        shown(loaded, &format!("sinks.{name}.url"), p.url.expose()),
         p.schema,
         p.table,
         p.rows_per_statement,

@@ -13,7 +13,7 @@ use refract_connectors::{
 };
 use refract_projections::Projection;
 use refract_schemas::Checkpoint;
-use refract_schemas::config::{PipelineFile, SinkConfig, mask_url};
+use refract_schemas::config::{PipelineFile, SinkConfig};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
@@ -135,7 +135,7 @@ pub(super) fn open_dead_letters(
     resumed: &Checkpoint,
 ) -> Result<DeadLetterStore, RunError> {
     match &config.pipeline.dead_letter.url {
-        Some(url) => DeadLetterStore::open_url(url),
+        Some(url) => DeadLetterStore::open_url(url.expose()),
         None => {
             let path = config
                 .pipeline
@@ -367,20 +367,20 @@ pub(super) fn new_processor(
     };
     for (name, sink) in &config.sinks {
         let location = match sink {
-            SinkConfig::ObjectJson(o) => mask_url(&o.url),
-            SinkConfig::Redis(r) => mask_url(&r.url),
-            SinkConfig::Parquet(p) => mask_url(&p.url),
-            SinkConfig::Postgres(p) => format!("{} ({}.{})", mask_url(&p.url), p.schema, p.table),
+            SinkConfig::ObjectJson(o) => o.url.masked(),
+            SinkConfig::Redis(r) => r.url.masked(),
+            SinkConfig::Parquet(p) => p.url.masked(),
+            SinkConfig::Postgres(p) => format!("{} ({}.{})", p.url.masked(), p.schema, p.table),
             SinkConfig::Kafka(k) => format!("Kafka {} (topics {}.*)", k.brokers, k.topic_prefix),
             SinkConfig::Tiers(t) => format!(
                 "hot {}, warm {} ({}), cold {}",
-                mask_url(&t.hot.url),
-                mask_url(&t.warm.url),
+                t.hot.url.masked(),
+                t.warm.url.masked(),
                 t.warm.table,
-                mask_url(&t.cold.url)
+                t.cold.url.masked()
             ),
             SinkConfig::Migration(m) => {
-                format!("{} (migration `{}`)", mask_url(&m.url), m.migration)
+                format!("{} (migration `{}`)", m.url.masked(), m.migration)
             }
             SinkConfig::Null(_) => "discarded".to_owned(),
         };

@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::{Secret, SecretUrl};
+
 /// `kind = "kafka"`: Debezium change events from Kafka topics, read by a consumer group whose
 /// members share the topics' partitions.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -35,7 +37,7 @@ pub struct KafkaSourceConfig {
     /// `"ssl.ca.location"`). Settings refract relies on for its guarantees (offset commits,
     /// isolation, the group) cannot be overridden here.
     #[serde(default)]
-    pub properties: BTreeMap<String, String>,
+    pub properties: BTreeMap<String, Secret>,
 }
 
 /// The encoding of a Kafka source's records.
@@ -65,13 +67,13 @@ pub enum KafkaStart {
 #[serde(deny_unknown_fields)]
 pub struct SchemaRegistryConfig {
     /// Base URL (`${SCHEMA_REGISTRY_URL:-http://127.0.0.1:8081}` in shipped files).
-    pub url: String,
+    pub url: SecretUrl,
     /// Basic-auth user, when the registry asks for one.
     #[serde(default)]
     pub username: Option<String>,
     /// Basic-auth password (`${SCHEMA_REGISTRY_PASSWORD}`); never printed.
     #[serde(default)]
-    pub password: Option<String>,
+    pub password: Option<Secret>,
     /// Directory of `{schema id}.avsc` files used when the registry cannot be reached.
     #[serde(default)]
     pub fallback_dir: Option<String>,

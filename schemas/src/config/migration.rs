@@ -12,6 +12,8 @@ use std::collections::BTreeMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::SecretUrl;
+
 /// Rows per backfill and verify chunk when the file does not say: the seed's batch of 1,000, one
 /// short transaction each, so that no lock is held for long.
 pub const DEFAULT_MIGRATION_BATCH_ROWS: u32 = 1_000;
@@ -39,7 +41,7 @@ pub struct MigrationSection {
     pub name: String,
     /// The database holding both tables and the control table (`${PG_URL}`). The role needs
     /// REPLICATION, SELECT and DML on both tables, and CREATE on the database the first time.
-    pub url: String,
+    pub url: SecretUrl,
     /// The table applications write today (`orders` or `schema.orders`).
     pub source: String,
     /// The table the rows move to (`orders_v2`); it must exist, created by the operator.
@@ -290,7 +292,7 @@ pub struct MigrationProjectionConfig {
 #[serde(deny_unknown_fields)]
 pub struct MigrationSinkConfig {
     /// The database (the migration's `url`).
-    pub url: String,
+    pub url: SecretUrl,
     /// The migration's name (its control-table row).
     pub migration: String,
     /// The control table.

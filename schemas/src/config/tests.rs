@@ -43,7 +43,7 @@ fn a_good_file_loads_with_defaults_and_interpolation() {
     let SinkConfig::ObjectJson(s) = &c.sinks["objects"] else {
         panic!()
     };
-    assert_eq!(s.url, "file:///srv/out");
+    assert_eq!(s.url.expose(), "file:///srv/out");
     assert_eq!(
         loaded.from_env["sinks.objects.url"],
         vec!["PWD".to_string()]

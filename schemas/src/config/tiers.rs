@@ -9,7 +9,7 @@ use std::time::Duration;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::{PipelineFile, ProjectionConfig, SinkConfig};
+use super::{PipelineFile, ProjectionConfig, SecretUrl, SinkConfig};
 
 /// `kind = "tiers"` projection: each heartbeat of `table` goes to the tiers its age puts it in.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -130,7 +130,7 @@ fn default_aging_interval_ms() -> u64 {
 #[serde(deny_unknown_fields)]
 pub struct HotTierConfig {
     /// `redis://host:port/db` (`${REDIS_URL:-redis://127.0.0.1:6379}` in shipped files).
-    pub url: String,
+    pub url: SecretUrl,
     /// First part of every key.
     #[serde(default = "default_hot_prefix")]
     pub key_prefix: String,
@@ -145,7 +145,7 @@ fn default_hot_prefix() -> String {
 #[serde(deny_unknown_fields)]
 pub struct WarmTierConfig {
     /// `postgres://…` (`${TARGET_PG_URL:-…}` in shipped files).
-    pub url: String,
+    pub url: SecretUrl,
     /// The partitioned table (`schema.table` or `table`); created when missing, with its
     /// partitions named `{table}_pYYYYMMDDHH`.
     #[serde(default = "default_warm_table")]
@@ -171,7 +171,7 @@ fn default_partitions_ahead() -> u32 {
 #[serde(deny_unknown_fields)]
 pub struct ColdTierConfig {
     /// Object-store URL (`file:///abs/dir`, `s3://bucket/prefix`, …).
-    pub url: String,
+    pub url: SecretUrl,
 }
 
 /// A duration in the pipeline file's syntax (`90s`, `15m`, `2h`, `30d`).

@@ -6,7 +6,7 @@
 //! here, the source in `source.rs`, the projections in `projections.rs` (`document` and
 //! `flatten` in their own files), the sinks in `sinks.rs`. A new connector adds its checks there.
 
-use super::{DeadLetterConfig, PipelineFile, PipelineSection};
+use super::{DeadLetterConfig, PipelineFile, PipelineSection, SecretUrl};
 
 mod document;
 mod flatten;
@@ -119,7 +119,8 @@ fn range(problem: &mut impl FnMut(&str, String), path: &str, value: u64, min: u6
 }
 
 /// An object-store URL of a supported scheme; a `file` URL must be absolute.
-fn object_store_url(problem: &mut impl FnMut(&str, String), path: &str, url: &str) {
+fn object_store_url(problem: &mut impl FnMut(&str, String), path: &str, url: &SecretUrl) {
+    let url = url.expose();
     let Some((scheme, rest)) = url.split_once("://") else {
         problem(
             path,
@@ -160,8 +161,26 @@ pub fn is_secret_property(name: &str) -> bool {
         || (name.contains("key") && !name.ends_with(".location"))
 }
 
-/// Hides the password of a URL's user-info (`scheme://user:secret@host` → `scheme://user:***@host`).
+/// Query parameters of a connection URL that hold a secret (libpq reads `password` and
+/// `sslpassword` from the URL as well as from the user-info).
+const SECRET_QUERY_PARAMETERS: &[&str] = &["password", "sslpassword"];
+
+/// Hides the password of a URL's user-info (`scheme://user:secret@host` → `scheme://user:***@host`)
+/// and of its `password=` query parameters.
 pub fn mask_url(value: &str) -> String {
+    let (address, query) = match value.split_once('?') {
+        Some((address, query)) => (address, Some(query)),
+        None => (value, None),
+    };
+    let mut masked = mask_user_info(address);
+    if let Some(query) = query {
+        masked.push('?');
+        masked.push_str(&mask_query(query));
+    }
+    masked
+}
+
+fn mask_user_info(value: &str) -> String {
     let Some((scheme, rest)) = value.split_once("://") else {
         return value.to_owned();
     };
@@ -180,6 +199,21 @@ pub fn mask_url(value: &str) -> String {
         None => "***".to_owned(),
     };
     format!("{scheme}://{masked}{}", &rest[at..])
+}
+
+fn mask_query(query: &str) -> String {
+    let masked: Vec<String> = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((name, _))
+                if SECRET_QUERY_PARAMETERS.contains(&name.to_ascii_lowercase().as_str()) =>
+            {
+                format!("{name}=***")
+            }
+            _ => pair.to_owned(),
+        })
+        .collect();
+    masked.join("&")
 }
 
 #[cfg(test)]

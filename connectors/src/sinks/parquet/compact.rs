@@ -36,7 +36,7 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use refract_schemas::Offset;
-use refract_schemas::config::{ParquetSinkConfig, mask_url};
+use refract_schemas::config::ParquetSinkConfig;
 
 use super::encode::{self, META_MERGED_THROUGH, POSITION};
 use super::{classify, put, put_file};
@@ -231,13 +231,14 @@ fn write_file(
 
 /// Rebuilds `current/` of every table under the sink's URL (tables in parallel).
 pub async fn compact(sink: &str, config: &ParquetSinkConfig) -> Result<CompactReport, SinkError> {
-    let (store, root) = crate::sinks::object_json::open_store(&config.url).map_err(|message| {
-        SinkError::Permanent {
-            sink: sink.to_owned(),
-            message: format!("cannot open `{}`: {message}", mask_url(&config.url)),
-            source: None,
-        }
-    })?;
+    let (store, root) =
+        crate::sinks::object_json::open_store(config.url.expose()).map_err(|message| {
+            SinkError::Permanent {
+                sink: sink.to_owned(),
+                message: format!("cannot open `{}`: {message}", config.url.masked()),
+                source: None,
+            }
+        })?;
     let files = list_change_files(&*store, &root, None)
         .await
         .map_err(|e| classify(sink, "cannot list the change log".into(), e))?;

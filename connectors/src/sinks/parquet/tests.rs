@@ -18,7 +18,7 @@ use super::*;
 
 fn config(dir: &std::path::Path) -> ParquetSinkConfig {
     ParquetSinkConfig {
-        url: format!("file://{}", dir.display()),
+        url: format!("file://{}", dir.display()).into(),
         zstd_level: 3,
         row_group_rows: 1_000,
         roll_rows: 1_000_000,
@@ -601,7 +601,7 @@ async fn a_compaction_overtaken_by_another_keeps_the_newer_state_and_deletes_not
     assert_eq!((first.rows, first.files_deleted), (1, 1), "{first:?}");
     sink.write(&batch(2, vec![old("b", 20)])).await.unwrap();
     sink.flush().await.unwrap();
-    let (store, root) = open_store(&cfg.url).unwrap();
+    let (store, root) = open_store(cfg.url.expose()).unwrap();
     let slow_files = compact::list_change_files(&*store, &root, Some("t"))
         .await
         .unwrap();
@@ -684,7 +684,7 @@ async fn where_the_store_puts_on_a_condition_the_overtaken_compaction_publishes_
     let mut sink = ParquetSink::new("pq", cfg.clone());
     sink.open(&Checkpoint::new()).await.unwrap();
     let s = schema("t", 1, false, false);
-    let (local, root) = open_store(&cfg.url).unwrap();
+    let (local, root) = open_store(cfg.url.expose()).unwrap();
     // The change log after each of three batches, as in-memory stores.
     let mut logs = Vec::new();
     for (seq, id) in [(1, "a"), (2, "b"), (3, "c")] {
@@ -775,7 +775,7 @@ async fn compact_in_partitions(
     table: &str,
     partition_rows: usize,
 ) -> CompactReport {
-    let (store, root) = open_store(&cfg.url).unwrap();
+    let (store, root) = open_store(cfg.url.expose()).unwrap();
     let files = compact::list_change_files(&*store, &root, Some(table))
         .await
         .unwrap();

@@ -24,7 +24,7 @@ fn prefix(test: &str) -> String {
 
 fn config() -> RedisSinkConfig {
     RedisSinkConfig {
-        url: url(),
+        url: url().into(),
         username: None,
         password: None,
         tls_ca_file: None,
@@ -200,7 +200,7 @@ async fn an_unreachable_redis_is_a_transient_error_or_the_fallback_file() {
         .unwrap()
         .port();
     let down = RedisSinkConfig {
-        url: format!("redis://127.0.0.1:{port}"),
+        url: format!("redis://127.0.0.1:{port}").into(),
         ..config()
     };
     let mut sink = RedisSink::new("cache", down.clone());

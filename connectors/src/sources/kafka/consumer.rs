@@ -515,7 +515,7 @@ fn client_config(config: &KafkaSourceConfig, pipeline: &str) -> ClientConfig {
     c.set("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS)
         .set("statistics.interval.ms", metrics::STATISTICS_INTERVAL_MS);
     for (k, v) in &config.properties {
-        c.set(k, v);
+        c.set(k, v.expose());
     }
     c.set("bootstrap.servers", &config.brokers)
         .set("group.id", config.group(pipeline))
@@ -551,7 +551,7 @@ mod config_tests {
             start: KafkaStart::Earliest,
             properties: properties
                 .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .map(|(k, v)| (k.to_string(), v.to_string().into()))
                 .collect::<BTreeMap<_, _>>(),
         }
     }

@@ -27,7 +27,7 @@ use bytes::Bytes;
 use pgwire_replication::{
     Lsn, ReplicationClient, ReplicationConfig, TlsConfig, client::ReplicationEvent,
 };
-use refract_schemas::config::{PostgresSourceConfig, SnapshotMode};
+use refract_schemas::config::{PostgresSourceConfig, SecretUrl, SnapshotMode};
 use refract_schemas::debezium::DecodeError;
 use refract_schemas::event::{SourceInfo, TxBoundary, TxInfo, TxStatus};
 use refract_schemas::{
@@ -219,11 +219,16 @@ impl Source for PostgresSource {
         mode: ReadMode,
         durable: watch::Receiver<Checkpoint>,
     ) -> Result<(), SourceError> {
-        let pg: tokio_postgres::Config = self.config.url.parse().map_err(|e| SourceError::Io {
-            message: format!("invalid PostgreSQL URL: {e}"),
-            source: None,
-        })?;
-        let client = connect(&self.config.url).await?;
+        let pg: tokio_postgres::Config =
+            self.config
+                .url
+                .expose()
+                .parse()
+                .map_err(|e| SourceError::Io {
+                    message: format!("invalid PostgreSQL URL: {e}"),
+                    source: None,
+                })?;
+        let client = connect(self.config.url.expose()).await?;
         let resume = checkpoint.get(&*self.partition).copied();
         let snapshot_path = PostgresSource::snapshot_progress_path(&self.context.state_dir);
         self.ensure_publication(&client).await?;
@@ -469,7 +474,7 @@ impl PostgresSource {
             return Ok(None);
         };
         let chunker = Chunker::prepare(
-            &self.config.url,
+            self.config.url.expose(),
             &self.publication,
             &self.slot,
             self.config.chunk_rows,
@@ -518,7 +523,7 @@ impl PostgresSource {
         if export_snapshot {
             let (replication, copy) = snapshot::create_slot_exporting(
                 cfg,
-                &self.config.url,
+                self.config.url.expose(),
                 &self.slot,
                 &self.publication,
                 &self.context.state_dir,
@@ -566,7 +571,7 @@ impl PostgresSource {
         let (tables, scope) = plan.into_plan();
         snapshot::export_for_backfill(
             cfg,
-            &self.config.url,
+            self.config.url.expose(),
             &self.slot,
             snapshot::CopyPlan {
                 publication: &self.publication,
@@ -597,7 +602,7 @@ impl PostgresSource {
                     tracing::info!(%table, rows, "rows read into the stream");
                 }
                 if let Some(marker) = marker {
-                    let client = connect(&url).await?;
+                    let client = connect(url.expose()).await?;
                     let _ = marker.send(emit_caught_up_marker(&client).await?);
                 }
                 Ok::<_, SourceError>(())
@@ -816,7 +821,7 @@ struct OpenTx {
 struct Reader {
     /// The control connection, for catalog look-ups (primary keys, TOAST re-reads, the slot).
     catalog: tokio_postgres::Client,
-    url: String,
+    url: SecretUrl,
     slot: String,
     publication: String,
     /// Rows per chunk of a backfill resumed in chunks.

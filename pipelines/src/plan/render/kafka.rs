@@ -50,7 +50,7 @@ pub(super) fn render_kafka_sink(
         let value = if is_secret_property(key) {
             "***".to_owned()
         } else {
-            shown(loaded, &path, value)
+            shown(loaded, &path, value.expose())
         };
         let _ = writeln!(out, "             {key} = {value}");
     }
@@ -113,7 +113,7 @@ pub(super) fn render_kafka_source(
         (KafkaFormat::DebeziumJson, _) => "Debezium JSON".to_owned(),
         (KafkaFormat::DebeziumAvro, Some(r)) => format!(
             "Debezium Avro, schemas from {}{}",
-            shown(loaded, "source.schema_registry.url", &r.url),
+            shown(loaded, "source.schema_registry.url", r.url.expose()),
             r.fallback_dir
                 .as_deref()
                 .map(|d| format!(" (offline: {d}/{{id}}.avsc)"))
@@ -132,7 +132,7 @@ pub(super) fn render_kafka_source(
         let value = if is_secret_property(name) {
             "*** (secret)".to_owned()
         } else {
-            shown(loaded, &format!("source.properties.{name}"), value)
+            shown(loaded, &format!("source.properties.{name}"), value.expose())
         };
         let _ = writeln!(out, "  setting     {name} = {value}");
     }

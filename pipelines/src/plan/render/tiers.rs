@@ -44,12 +44,20 @@ pub(super) fn render_tiers_sink(
         out,
         "writes `{name}` (tiers): hot {} ({}:{{region}}:{{device_hash}}:{{device}}, {}:{{region}}:online); \
          warm {} table {} by the hour, {} partition(s) ahead; cold {}/device_id={{device}}/date={{yyyyMMdd}}/*.parquet; aging {aging}",
-        shown(loaded, &format!("sinks.{name}.hot.url"), &s.hot.url),
+        shown(loaded, &format!("sinks.{name}.hot.url"), s.hot.url.expose()),
         s.hot.key_prefix,
         s.hot.key_prefix,
-        shown(loaded, &format!("sinks.{name}.warm.url"), &s.warm.url),
+        shown(
+            loaded,
+            &format!("sinks.{name}.warm.url"),
+            s.warm.url.expose()
+        ),
         s.warm.table,
         s.warm.partitions_ahead,
-        shown(loaded, &format!("sinks.{name}.cold.url"), &s.cold.url),
+        shown(
+            loaded,
+            &format!("sinks.{name}.cold.url"),
+            s.cold.url.expose()
+        ),
     );
 }

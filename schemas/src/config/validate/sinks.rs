@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{mask_url, object_store_url, range};
+use super::{object_store_url, range};
 use crate::config::{
     KafkaSinkConfig, ObjectJsonSinkConfig, POSTGRES_TOMBSTONES_TABLE, ParquetSinkConfig,
     PipelineFile, PostgresSinkConfig, ProjectionConfig, RedisDeleteCommand, RedisSinkConfig,
@@ -73,7 +73,7 @@ fn redis(problem: &mut impl FnMut(&str, String), base: &str, r: &RedisSinkConfig
             &format!("{base}.url"),
             format!(
                 "`{}` is not a redis://, rediss:// or unix:// URL",
-                mask_url(&r.url)
+                r.url.masked()
             ),
         );
     }
@@ -173,7 +173,7 @@ fn postgres(problem: &mut impl FnMut(&str, String), base: &str, s: &PostgresSink
     if !(s.url.starts_with("postgres://") || s.url.starts_with("postgresql://")) {
         problem(
             &format!("{base}.url"),
-            format!("`{}` is not a postgres:// URL", mask_url(&s.url)),
+            format!("`{}` is not a postgres:// URL", s.url.masked()),
         );
     }
     let ident = |v: &str| {

@@ -1,6 +1,6 @@
 //! The rules of the `[source]` section, one function per kind of source.
 
-use super::{mask_url, range};
+use super::range;
 use crate::config::{
     FileSourceConfig, KAFKA_SOURCE_RESERVED, KafkaFormat, KafkaSourceConfig, PipelineFile,
     PostgresSourceConfig, ProjectionConfig, SourceConfig,
@@ -42,7 +42,7 @@ fn postgres(problem: &mut impl FnMut(&str, String), pg: &PostgresSourceConfig) {
     if !(pg.url.starts_with("postgres://") || pg.url.starts_with("postgresql://")) {
         problem(
             "source.url",
-            format!("`{}` is not a postgres:// URL", mask_url(&pg.url)),
+            format!("`{}` is not a postgres:// URL", pg.url.masked()),
         );
     }
     for (field, name) in [
@@ -124,7 +124,7 @@ fn kafka(problem: &mut impl FnMut(&str, String), k: &KafkaSourceConfig) {
         (_, Some(r)) if !(r.url.starts_with("http://") || r.url.starts_with("https://")) => {
             problem(
                 "source.schema_registry.url",
-                format!("`{}` is not an http(s):// URL", mask_url(&r.url)),
+                format!("`{}` is not an http(s):// URL", r.url.masked()),
             )
         }
         _ => {}

@@ -11,6 +11,10 @@ fn masks_url_passwords() {
     assert_eq!(mask_url("postgres://app@db/x"), "postgres://app@db/x");
     assert_eq!(mask_url("file:///tmp/out"), "file:///tmp/out");
     assert_eq!(mask_url("s3://bucket/a@b"), "s3://bucket/a@b");
+    assert_eq!(
+        mask_url("postgres://app@db/x?sslmode=require&password=pw&PassWord=pw2"),
+        "postgres://app@db/x?sslmode=require&password=***&PassWord=***"
+    );
 }
 
 /// The outputs of the `flatten` projection of [`GOOD`], one table per line.

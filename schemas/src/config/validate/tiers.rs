@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 
-use super::{mask_url, object_store_url, range};
+use super::{object_store_url, range};
 use crate::config::{
     PipelineFile, ProjectionConfig, TiersProjectionConfig, TiersSinkConfig, parse_window,
 };
@@ -118,7 +118,7 @@ pub(super) fn sink(
             &format!("{base}.hot.url"),
             format!(
                 "`{}` is not a redis:// or rediss:// URL",
-                mask_url(&s.hot.url)
+                s.hot.url.masked()
             ),
         );
     }
@@ -131,7 +131,7 @@ pub(super) fn sink(
     if !(s.warm.url.starts_with("postgres://") || s.warm.url.starts_with("postgresql://")) {
         problem(
             &format!("{base}.warm.url"),
-            format!("`{}` is not a postgres:// URL", mask_url(&s.warm.url)),
+            format!("`{}` is not a postgres:// URL", s.warm.url.masked()),
         );
     }
     let (schema, table) = s

@@ -72,7 +72,7 @@ impl Reader {
         tracing::warn!(slot = %self.slot, error = %error, "{what}: the control connection (slot checks, heartbeats) fails");
         self.health.check_failed(&format!("{what}: {error}"));
         let bound = Liveness::control_timeout(self.read_timeout);
-        if let Ok(Ok(client)) = tokio::time::timeout(bound, connect(&self.url)).await {
+        if let Ok(Ok(client)) = tokio::time::timeout(bound, connect(self.url.expose())).await {
             self.catalog = client;
         }
     }

@@ -157,7 +157,7 @@ impl Reader {
         let path = PostgresSource::backfill_progress_path(&self.state_dir);
         let taken = async {
             let chunker = Chunker::prepare(
-                &self.url,
+                self.url.expose(),
                 &self.publication,
                 &self.slot,
                 self.chunk_rows,
@@ -172,7 +172,7 @@ impl Reader {
             let (tables, scope) = chunker.into_plan();
             let copy = snapshot::export_for_backfill(
                 &self.replication_config,
-                &self.url,
+                self.url.expose(),
                 &self.slot,
                 snapshot::CopyPlan {
                     publication: &self.publication,
@@ -285,7 +285,7 @@ impl Reader {
     /// A new control connection and replication stream, resuming after the last item handed
     /// out (or the checkpoint, when nothing was).
     pub(super) async fn reconnect(&mut self) -> Result<ReplicationClient, SourceError> {
-        self.catalog = connect(&self.url).await?;
+        self.catalog = connect(self.url.expose()).await?;
         self.tx = None;
         self.chunk.clear();
         let from = self.last_sent.or(self.resumed_from);
