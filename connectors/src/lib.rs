@@ -7,6 +7,7 @@ pub mod dead_letter;
 pub mod health;
 pub mod intake;
 pub mod migration;
+mod privileges;
 pub mod registry;
 pub mod schema_registry;
 pub mod sinks;

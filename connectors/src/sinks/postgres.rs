@@ -37,6 +37,8 @@ use refract_schemas::write::{DocumentOp, OpFamily};
 use refract_schemas::{Checkpoint, Position};
 
 use crate::sinks::documents::{Keyed, segments};
+
+mod privileges;
 use crate::{Intake, RejectedOp, Sink, SinkBatch, SinkError, WriteReport};
 
 /// What the PostgreSQL sink accepts: documents.
@@ -410,6 +412,28 @@ impl PostgresSink {
         let targets = like_pattern(&self.config.table);
         let retention_s = self.config.tombstone_retention_ms as f64 / 1000.0;
         let name = self.name.clone();
+        let Some(client) = self.client.as_mut() else {
+            return Err(SinkError::not_open(&self.name));
+        };
+        let checked = privileges::check(
+            &*client,
+            &name,
+            &schema_name,
+            POSTGRES_TOMBSTONES_TABLE,
+            &targets,
+        )
+        .await;
+        match checked {
+            Ok(None) => {}
+            Ok(Some(report)) => {
+                return Err(SinkError::Permanent {
+                    sink: name,
+                    message: report,
+                    source: None,
+                });
+            }
+            Err(e) => return Err(self.classify("cannot check the role's privileges".into(), e)),
+        }
         let Some(client) = self.client.as_mut() else {
             return Err(SinkError::not_open(&self.name));
         };

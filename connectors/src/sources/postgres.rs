@@ -6,6 +6,7 @@
 pub mod inspect;
 pub mod metrics;
 pub mod pgoutput;
+mod privileges;
 pub mod share_lock;
 pub mod snapshot;
 pub mod source;

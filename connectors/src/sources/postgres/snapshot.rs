@@ -166,6 +166,7 @@ impl Chunker {
             .map_err(io("cannot configure the snapshot session"))?;
         let scope = resolve_scope(&client, publication, scope).await?;
         let scope = scope.as_slice();
+        super::privileges::check_chunked_reads(&client, publication, scope).await?;
         let mut state = match load(&path)? {
             Some(s) if !s.complete && !restart && s.scope == scope => {
                 if s.planned {

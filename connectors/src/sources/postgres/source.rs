@@ -39,6 +39,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use super::inspect::error_text;
 use super::metrics::SlotMetrics;
 use super::pgoutput::{self, Datum, Message, OldKind, Relation, Tuple};
+use super::privileges;
 use super::snapshot::{self, ChunkMessage, ChunkProgress, Chunker, CopySnapshot};
 use super::values::text_to_json;
 use crate::{ReadMode, Source, SourceContext, SourceError, SourceHealth, SourceItem};
@@ -352,14 +353,19 @@ impl PostgresSource {
             .await
             .map_err(io("cannot read pg_publication"))?
             .is_some();
-        if exists {
-            return Ok(());
-        }
-        if !self.config.create {
+        if !exists && !self.config.create {
             return Err(SourceError::Inconsistent(format!(
                 "publication `{}` does not exist (and `create = false`)",
                 self.publication
             )));
+        }
+        let needs = privileges::Needs {
+            publication: &self.publication,
+            create_for: (!exists).then_some(self.config.tables.as_slice()),
+        };
+        privileges::check_source(client, &needs).await?;
+        if exists {
+            return Ok(());
         }
         let target = publication_target(&self.config.tables);
         client
@@ -622,7 +628,7 @@ impl PostgresSource {
 
 /// The `FOR ...` part of `CREATE PUBLICATION` for the configured tables (`schema.*` for a
 /// whole schema; none for all tables).
-fn publication_target(tables: &[String]) -> String {
+pub(super) fn publication_target(tables: &[String]) -> String {
     if tables.is_empty() {
         return "ALL TABLES".to_owned();
     }
