@@ -299,7 +299,10 @@ async fn locked_read(turn: &Turn<'_>, after: Option<&[Value]>) -> Result<Vec<Row
 /// share-locked; `None` (and no transaction) when no row is left. The read gives way to the
 /// applications' writers ([`share_lock`]): rolled back and tried again when its rows stay
 /// locked.
-async fn read_chunk(turn: &Turn<'_>, after: Option<&[Value]>) -> Result<Option<Chunk>, MigrationError> {
+async fn read_chunk(
+    turn: &Turn<'_>,
+    after: Option<&[Value]>,
+) -> Result<Option<Chunk>, MigrationError> {
     let mut patience = Patience::default();
     let rows = loop {
         match locked_read(turn, after).await {
@@ -356,11 +359,9 @@ async fn write_chunk(turn: &Turn<'_>, chunk: &Chunk) -> Result<(), MigrationErro
     let (written, recorded, committed) = futures::join!(
         turn.writer
             .upsert_with(turn.client, &turn.statements.upsert, &refs),
-        turn.plan.control.update_with(
-            turn.client,
-            &turn.statements.record,
-            &record,
-        ),
+        turn.plan
+            .control
+            .update_with(turn.client, &turn.statements.record, &record),
         turn.client.batch_execute("COMMIT"),
     );
     written?;

@@ -425,14 +425,11 @@ impl Writer {
             .collect();
         let params: Vec<&(dyn ToSql + Sync)> =
             arrays.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
-        client
-            .execute(statement, &params)
-            .await
-            .map_err(db(format!(
-                "cannot write {} rows into `{}`",
-                rows.len(),
-                self.table
-            )))
+        client.execute(statement, &params).await.map_err(db(format!(
+            "cannot write {} rows into `{}`",
+            rows.len(),
+            self.table
+        )))
     }
 
     /// Deletes the rows whose identity columns hold the values of `keys`.
