@@ -231,3 +231,36 @@ fn the_backfill_gives_way_to_an_application_locking_rows_in_another_order() {
     assert_eq!(m.sql_differences(), 0, "orders and orders_v2 differ");
     kill9(&mut daemon);
 }
+
+/// A chunk the target refuses (a constraint the transform does not satisfy) stops the backfill
+/// loudly, and nothing of it stays: its write, its resume point and its counts go out with its
+/// `COMMIT` in one round trip, and the aborted transaction makes that `COMMIT` a rollback. The
+/// chunks before it stay; once the constraint is gone, the backfill resumes after them.
+/// (Seen failing with `write_chunk` ignoring the write's and the record's errors: the backfill
+/// then reported success with the refused chunk missing.)
+#[test]
+fn a_chunk_the_target_refuses_stops_the_backfill_and_is_not_recorded() {
+    let m = Migration::create("migrate_refused_chunk", 3500);
+    m.db.psql("ALTER TABLE orders_v2 ADD CONSTRAINT refuse_one CHECK (order_id <> 'ORD-0001500')");
+    let mut daemon = m.start();
+    let out = m.run("backfill", &[]);
+    let log = stdout(&out);
+    assert!(!out.status.success(), "the backfill succeeded: {log}");
+    assert!(
+        log.contains("refuse_one"),
+        "the refusal is not named: {log}"
+    );
+    // The shipped file copies chunks of 1,000 rows: the first one only is in.
+    assert_eq!(m.control("rows_copied").as_deref(), Some("1000"));
+    assert_eq!(
+        m.control("backfill_after").as_deref(),
+        Some(r#"["ORD-0001000"]"#)
+    );
+    assert_eq!(m.db.psql("SELECT count(*) FROM orders_v2"), "1000");
+    m.db.psql("ALTER TABLE orders_v2 DROP CONSTRAINT refuse_one");
+    let out = m.run("backfill", &[]);
+    assert!(out.status.success(), "backfill: {}", stdout(&out));
+    assert_eq!(m.control("rows_copied").as_deref(), Some("3500"));
+    assert_eq!(m.sql_differences(), 0, "orders and orders_v2 differ");
+    kill9(&mut daemon);
+}

@@ -24,7 +24,8 @@ use std::time::{Duration, Instant};
 use refract_projections::migration::{Transform, key_text};
 use refract_schemas::Row;
 use serde_json::Value;
-use tokio_postgres::Client;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, Statement};
 
 use super::catalog::Table;
 use super::control::{Control, Phase};
@@ -98,17 +99,29 @@ pub async fn run(
     }
     let reader = Reader::new(plan.source, plan.transform.source_key());
     let writer = Writer::new(plan.target, plan.transform.identity());
+    let statements = [
+        Statements::prepare(clients[0], &reader, &writer, plan.control).await?,
+        Statements::prepare(clients[1], &reader, &writer, plan.control).await?,
+    ];
+    let chunk_of = |turn: usize| Turn {
+        client: clients[turn],
+        statements: &statements[turn],
+        reader: &reader,
+        writer: &writer,
+        plan,
+    };
     let started = Instant::now();
     let copied_before = state.copied;
     let mut turn = 0;
-    let mut chunk = read_chunk(clients[turn], &reader, plan, after.as_deref()).await?;
+    let mut chunk = read_chunk(&chunk_of(turn), after.as_deref()).await?;
     while let Some(current) = chunk {
         for r in &current.rejected {
             rejected(r);
         }
         after = Some(current.last_key.clone());
-        let next = read_chunk(clients[1 - turn], &reader, plan, after.as_deref());
-        let write = write_chunk(clients[turn], &writer, plan, &current);
+        let (reading, writing) = (chunk_of(1 - turn), chunk_of(turn));
+        let next = read_chunk(&reading, after.as_deref());
+        let write = write_chunk(&writing, &current);
         let Some(rate) = plan.max_rows_per_second else {
             let (next, written) = tokio::join!(next, write);
             if let Err(e) = written {
@@ -214,28 +227,88 @@ struct Chunk {
     last_key: Vec<Value>,
 }
 
-/// Begins a transaction on `client` and reads the next chunk after `after`, share-locked;
-/// `None` (and no transaction) when no row is left. The read gives way to the applications'
-/// writers ([`share_lock`]): rolled back and tried again when its rows stay locked.
+/// What records a chunk's resume point and counts in the control row.
+const RECORD_CHUNK: &str = "backfill_after = $2, rows_copied = rows_copied + $3, \
+                            rows_rejected = rows_rejected + $4";
+
+/// The statements a chunk runs, prepared once per connection: parsed and planned once for
+/// the whole backfill instead of once per chunk (and a round trip less each).
+struct Statements {
+    /// Begins a chunk's transaction, its lock waits short ([`share_lock`]).
+    begin: String,
+    /// The first chunk (no resume point).
+    read_first: Statement,
+    /// A chunk after a key.
+    read_after: Statement,
+    upsert: Statement,
+    record: Statement,
+}
+
+impl Statements {
+    async fn prepare(
+        client: &Client,
+        reader: &Reader,
+        writer: &Writer,
+        control: &Control,
+    ) -> Result<Self, MigrationError> {
+        Ok(Self {
+            begin: format!("BEGIN; {}", share_lock::set_lock_timeout(true)),
+            read_first: reader.prepare_read(client, false, true).await?,
+            read_after: reader.prepare_read(client, true, true).await?,
+            upsert: writer.prepare_upsert(client).await?,
+            record: control.prepare_update(client, RECORD_CHUNK).await?,
+        })
+    }
+}
+
+/// One of the two connections, with what a chunk needs on it.
+struct Turn<'a> {
+    client: &'a Client,
+    statements: &'a Statements,
+    reader: &'a Reader,
+    writer: &'a Writer,
+    plan: &'a BackfillPlan<'a>,
+}
+
+/// The chunk's share-locked read, in a transaction begun for it, its lock waits relaxed again
+/// afterwards for the writes. The three statements go out together (one round trip, not
+/// three): a statement after a failed one fails too, and the read's error is the one returned.
+async fn locked_read(turn: &Turn<'_>, after: Option<&[Value]>) -> Result<Vec<Row>, MigrationError> {
+    let statement = match after {
+        Some(_) => &turn.statements.read_after,
+        None => &turn.statements.read_first,
+    };
+    let limit = i64::from(turn.plan.batch_rows);
+    // `futures::join!` first polls the futures in the order written, and each sends its
+    // statement at its first poll: the connection gets them in this order.
+    let (begun, rows, relaxed) = futures::join!(
+        turn.client.batch_execute(&turn.statements.begin),
+        turn.reader
+            .read_with(turn.client, statement, after, None, Some(limit)),
+        // The chunk's writes wait for locks as long as the session says.
+        turn.client
+            .batch_execute("SET LOCAL lock_timeout = DEFAULT"),
+    );
+    begun.map_err(db("cannot begin a backfill chunk"))?;
+    let rows = rows?;
+    relaxed.map_err(db("cannot read a backfill chunk"))?;
+    Ok(rows)
+}
+
+/// Begins a transaction on the turn's connection and reads the next chunk after `after`,
+/// share-locked; `None` (and no transaction) when no row is left. The read gives way to the
+/// applications' writers ([`share_lock`]): rolled back and tried again when its rows stay
+/// locked.
 async fn read_chunk(
-    client: &Client,
-    reader: &Reader,
-    plan: &BackfillPlan<'_>,
+    turn: &Turn<'_>,
     after: Option<&[Value]>,
 ) -> Result<Option<Chunk>, MigrationError> {
     let mut patience = Patience::default();
     let rows = loop {
-        client
-            .batch_execute(&format!("BEGIN; {}", share_lock::set_lock_timeout(true)))
-            .await
-            .map_err(db("cannot begin a backfill chunk"))?;
-        match reader
-            .read(client, after, None, Some(plan.batch_rows.into()), true)
-            .await
-        {
+        match locked_read(turn, after).await {
             Ok(rows) => break rows,
             Err(e) if e.gave_way() => {
-                client
+                turn.client
                     .batch_execute("ROLLBACK")
                     .await
                     .map_err(db("cannot roll back a backfill chunk"))?;
@@ -246,23 +319,19 @@ async fn read_chunk(
             Err(e) => return Err(e),
         }
     };
-    // The chunk's writes wait for locks as long as the session says.
-    client
-        .batch_execute("SET LOCAL lock_timeout = DEFAULT")
-        .await
-        .map_err(db("cannot read a backfill chunk"))?;
     let Some(last) = rows.last() else {
-        client
+        turn.client
             .batch_execute("ROLLBACK")
             .await
             .map_err(db("cannot end the backfill"))?;
         return Ok(None);
     };
+    let reader = turn.reader;
     let last_key = reader.key_of(last);
     let mut converted = Vec::with_capacity(rows.len());
     let mut rejected = Vec::new();
     for row in &rows {
-        match plan.transform.forward(row) {
+        match turn.plan.transform.forward(row) {
             Ok(r) => converted.push(r),
             Err(e) => rejected.push(Rejected {
                 key: key_text(row, reader.key()),
@@ -277,33 +346,27 @@ async fn read_chunk(
     }))
 }
 
-/// Writes `chunk` and its resume point in the transaction [`read_chunk`] began on `client`,
-/// and commits.
-async fn write_chunk(
-    client: &Client,
-    writer: &Writer,
-    plan: &BackfillPlan<'_>,
-    chunk: &Chunk,
-) -> Result<(), MigrationError> {
+/// Writes `chunk` and its resume point in the transaction [`read_chunk`] began on the turn's
+/// connection, and commits. The three statements go out together (one round trip): when the
+/// write or the record fails, the transaction is aborted, the `COMMIT` after it rolls back,
+/// and the first failure is the one returned, so nothing of a failed chunk stays.
+async fn write_chunk(turn: &Turn<'_>, chunk: &Chunk) -> Result<(), MigrationError> {
     let refs: Vec<&Row> = chunk.rows.iter().collect();
-    writer.upsert(client, &refs).await?;
     let after_json = Value::Array(chunk.last_key.clone());
-    plan.control
-        .update(
-            client,
-            "backfill_after = $2, rows_copied = rows_copied + $3, \
-             rows_rejected = rows_rejected + $4",
-            &[
-                &after_json,
-                &(chunk.rows.len() as i64),
-                &(chunk.rejected.len() as i64),
-            ],
-        )
-        .await?;
-    client
-        .batch_execute("COMMIT")
-        .await
-        .map_err(db("cannot commit a backfill chunk"))
+    let (copied, rejected) = (chunk.rows.len() as i64, chunk.rejected.len() as i64);
+    let record: [&(dyn ToSql + Sync); 3] = [&after_json, &copied, &rejected];
+    // In this order on the connection (see `locked_read`).
+    let (written, recorded, committed) = futures::join!(
+        turn.writer
+            .upsert_with(turn.client, &turn.statements.upsert, &refs),
+        turn.plan
+            .control
+            .update_with(turn.client, &turn.statements.record, &record),
+        turn.client.batch_execute("COMMIT"),
+    );
+    written?;
+    recorded?;
+    committed.map_err(db("cannot commit a backfill chunk"))
 }
 
 /// The planner's estimate of the rows of `table` (exact count when it has none yet).

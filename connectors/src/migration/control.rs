@@ -248,19 +248,49 @@ impl Control {
         set: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<(), MigrationError> {
+        self.update_with(client, self.update_sql(set).as_str(), params)
+            .await
+    }
+
+    /// Prepares on `client` the statement of [`Control::update`] with `set`, for
+    /// [`Control::update_with`].
+    pub async fn prepare_update(
+        &self,
+        client: &impl GenericClient,
+        set: &str,
+    ) -> Result<tokio_postgres::Statement, MigrationError> {
+        client
+            .prepare(&self.update_sql(set))
+            .await
+            .map_err(db("cannot update the control table"))
+    }
+
+    /// [`Control::update`] with `statement`: its SQL text, or a statement
+    /// [`Control::prepare_update`] prepared on `client`.
+    pub async fn update_with<S>(
+        &self,
+        client: &impl GenericClient,
+        statement: &S,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<(), MigrationError>
+    where
+        S: tokio_postgres::ToStatement + Sync + Send + ?Sized,
+    {
         let mut all: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&self.name];
         all.extend_from_slice(params);
         client
-            .execute(
-                &format!(
-                    "UPDATE {} SET {set}, updated_at = now() WHERE name = $1",
-                    self.table
-                ),
-                &all,
-            )
+            .execute(statement, &all)
             .await
             .map_err(db("cannot update the control table"))?;
         Ok(())
+    }
+
+    /// The statement of [`Control::update`].
+    fn update_sql(&self, set: &str) -> String {
+        format!(
+            "UPDATE {} SET {set}, updated_at = now() WHERE name = $1",
+            self.table
+        )
     }
 
     /// Records that reads now go to `read_from` (at source position `position`), and notifies

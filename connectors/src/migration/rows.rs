@@ -8,6 +8,7 @@
 use refract_schemas::{Columns, Row};
 use serde_json::Value;
 use tokio_postgres::GenericClient;
+use tokio_postgres::ToStatement;
 use tokio_postgres::types::ToSql;
 
 use super::catalog::Table;
@@ -217,6 +218,38 @@ impl Reader {
         lock: bool,
     ) -> Result<Vec<Row>, MigrationError> {
         let sql = self.statement(after.is_some(), through.is_some(), limit.is_some(), lock);
+        self.read_with(client, sql.as_str(), after, through, limit)
+            .await
+    }
+
+    /// Prepares on `client` the statement of [`Reader::read`] with `after` given or not, no
+    /// `through` and a `limit`, share-locking when `lock`: what a series of chunks runs again
+    /// and again (see [`Reader::read_with`]).
+    pub async fn prepare_read(
+        &self,
+        client: &impl GenericClient,
+        after: bool,
+        lock: bool,
+    ) -> Result<tokio_postgres::Statement, MigrationError> {
+        client
+            .prepare(&self.statement(after, false, true, lock))
+            .await
+            .map_err(db(format!("cannot read `{}`", self.table.shape.table)))
+    }
+
+    /// [`Reader::read`] with `statement`: its SQL text, or a statement [`Reader::prepare_read`]
+    /// prepared on `client` for the same `after`, `through` and `limit`.
+    pub async fn read_with<S>(
+        &self,
+        client: &impl GenericClient,
+        statement: &S,
+        after: Option<&[Value]>,
+        through: Option<&[Value]>,
+        limit: Option<i64>,
+    ) -> Result<Vec<Row>, MigrationError>
+    where
+        S: ToStatement + Sync + Send + ?Sized,
+    {
         let mut texts: Vec<Option<String>> = Vec::new();
         for key in [after, through].into_iter().flatten() {
             texts.extend(key.iter().map(pg_text));
@@ -227,7 +260,7 @@ impl Reader {
             params.push(limit);
         }
         let rows = client
-            .query(&sql, &params)
+            .query(statement, &params)
             .await
             .map_err(db(format!("cannot read `{}`", self.table.shape.table)))?;
         self.decode(&rows)
@@ -357,6 +390,31 @@ impl Writer {
         client: &impl GenericClient,
         rows: &[&Row],
     ) -> Result<u64, MigrationError> {
+        self.upsert_with(client, self.upsert.as_str(), rows).await
+    }
+
+    /// Prepares on `client` the statement of [`Writer::upsert`], for [`Writer::upsert_with`].
+    pub async fn prepare_upsert(
+        &self,
+        client: &impl GenericClient,
+    ) -> Result<tokio_postgres::Statement, MigrationError> {
+        client
+            .prepare(&self.upsert)
+            .await
+            .map_err(db(format!("cannot write into `{}`", self.table)))
+    }
+
+    /// [`Writer::upsert`] with `statement`: its SQL text, or the statement
+    /// [`Writer::prepare_upsert`] prepared on `client`.
+    pub async fn upsert_with<S>(
+        &self,
+        client: &impl GenericClient,
+        statement: &S,
+        rows: &[&Row],
+    ) -> Result<u64, MigrationError>
+    where
+        S: ToStatement + Sync + Send + ?Sized,
+    {
         if rows.is_empty() {
             return Ok(0);
         }
@@ -367,14 +425,11 @@ impl Writer {
             .collect();
         let params: Vec<&(dyn ToSql + Sync)> =
             arrays.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
-        client
-            .execute(&self.upsert, &params)
-            .await
-            .map_err(db(format!(
-                "cannot write {} rows into `{}`",
-                rows.len(),
-                self.table
-            )))
+        client.execute(statement, &params).await.map_err(db(format!(
+            "cannot write {} rows into `{}`",
+            rows.len(),
+            self.table
+        )))
     }
 
     /// Deletes the rows whose identity columns hold the values of `keys`.
