@@ -68,21 +68,8 @@ fn the_status_page_shows_what_metrics_says_and_a_sink_going_down() {
     ));
     let mut redis = RedisServer::start(false);
     let dir = tempfile::tempdir().unwrap();
-    let pipeline = cache_pipeline(dir.path(), t, &redis.url(), "unhealthy_after_ms = 1000", "");
     let status = free_addr();
-    let text = std::fs::read_to_string(&pipeline)
-        .unwrap()
-        .replacen(
-            "[pipeline.batch]",
-            &format!("metrics_addr = \"{status}\"\n\n[pipeline.batch]"),
-            1,
-        )
-        .replacen(
-            &format!("tables = [\"public.{t}\"]"),
-            &format!("tables = [\"public.{t}\", \"public.{orphan}\"]"),
-            1,
-        );
-    std::fs::write(&pipeline, text).unwrap();
+    let pipeline = pipeline_file(dir.path(), t, orphan, &redis.url(), &status);
     catch_up(&pipeline);
     let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
     let mut daemon = Running::spawn(
@@ -156,9 +143,21 @@ fn the_status_page_shows_what_metrics_says_and_a_sink_going_down() {
     wait_for("/health to turn 503", || {
         http_get(&status, "/health").0 == 503
     });
-    let (_, health) = http_get(&status, "/health");
+    let sink_down = check_sink_down(&status, &artifacts);
+    daemon.terminate();
+    println!(
+        "status page screenshots: {} (under load), {} (sink down)",
+        under_load.display(),
+        sink_down.display()
+    );
+}
+
+/// With the sink down (`/health` 503): the page shows it unhealthy and its retries in the recent
+/// errors; returns the screenshot's path.
+fn check_sink_down(status: &str, artifacts: &Path) -> PathBuf {
+    let (_, health) = http_get(status, "/health");
     assert!(health.contains("\"redis\""), "{health}");
-    let dom = dump_dom(&status);
+    let dom = dump_dom(status);
     let sink_health = element_text(&dom, "data-health=\"redis\"", "</td>");
     assert!(sink_health.contains("unhealthy"), "{sink_health}");
     let errors = element_text(&dom, "id=\"errors\"", SECTION_END);
@@ -169,13 +168,8 @@ fn the_status_page_shows_what_metrics_says_and_a_sink_going_down() {
     let overall = element_text(&dom, "id=\"overall\"", "</span>");
     assert!(overall.contains("unhealthy"), "{overall}");
     let sink_down = artifacts.join("sink_down.png");
-    screenshot(&status, &sink_down);
-    daemon.terminate();
-    println!(
-        "status page screenshots: {} (under load), {} (sink down)",
-        under_load.display(),
-        sink_down.display()
-    );
+    screenshot(status, &sink_down);
+    sink_down
 }
 
 /// Commits one product update per transaction (and every [`ORPHAN_EVERY`]th transaction a row
@@ -196,7 +190,8 @@ fn spawn_writer(
                 &[&id],
             )
             .unwrap();
-            if committed % ORPHAN_EVERY == 0 {
+            let since_orphan = committed % ORPHAN_EVERY;
+            if since_orphan == 0 {
                 tx.execute(
                     &format!("INSERT INTO public.{orphan} (note) VALUES ('read by no projection')"),
                     &[],
@@ -208,6 +203,26 @@ fn spawn_writer(
         }
         committed
     })
+}
+
+/// The pipeline file: `t` into the cache at `redis_url`, `orphan` published but read by no
+/// projection, the status endpoint at `status`.
+fn pipeline_file(dir: &Path, t: &str, orphan: &str, redis_url: &str, status: &str) -> PathBuf {
+    let pipeline = cache_pipeline(dir, t, redis_url, "unhealthy_after_ms = 1000", "");
+    let text = std::fs::read_to_string(&pipeline)
+        .unwrap()
+        .replacen(
+            "[pipeline.batch]",
+            &format!("metrics_addr = \"{status}\"\n\n[pipeline.batch]"),
+            1,
+        )
+        .replacen(
+            &format!("tables = [\"public.{t}\"]"),
+            &format!("tables = [\"public.{t}\", \"public.{orphan}\"]"),
+            1,
+        );
+    std::fs::write(&pipeline, text).unwrap();
+    pipeline
 }
 
 /// Polls `condition` until it holds; fails the test past [`hang_guard`].

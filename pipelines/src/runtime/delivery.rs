@@ -219,7 +219,7 @@ pub(crate) async fn run(
     reporter.health.opened(&name);
     // Batches a buffering sink has written but not yet made durable, with their reports and
     // sizes.
-    let mut deferred: VecDeque<(u64, WriteReport, u64)> = VecDeque::new();
+    let mut deferred: VecDeque<Deferred> = VecDeque::new();
     let mut open = true;
     while open || !deferred.is_empty() {
         let deadline = match &target {
@@ -264,23 +264,8 @@ pub(crate) async fn run(
                     Target::Sink(s) => s.sink.buffered().map(|b| b.durable_through),
                     Target::DeadLetters(_) => None,
                 };
-                while let Some((seq, report, events)) = deferred.pop_front() {
-                    if durable.is_some_and(|through| seq > through) {
-                        deferred.push_front((seq, report, events));
-                        break;
-                    }
-                    reporter.metrics.events.increment(events);
-                    reporter.metrics.batches.increment(1);
-                    if acks
-                        .send(Ack::Done {
-                            target: index,
-                            seq,
-                            report,
-                        })
-                        .is_err()
-                    {
-                        return;
-                    }
+                if !acknowledge(&mut deferred, durable, index, &acks, &reporter.metrics) {
+                    return;
                 }
             }
             Err((error, stop)) => {
@@ -309,6 +294,40 @@ pub(crate) async fn run(
             Err(e) => tracing::warn!(sink = %name, error = %e, "closing the sink failed"),
         }
     }
+}
+
+/// A batch written but not yet acknowledged: its sequence number, report and size in events.
+type Deferred = (u64, WriteReport, u64);
+
+/// Acknowledges the leading `deferred` batches that are durable (all of them, unless the sink
+/// buffers: those up to its `durable_through`), counting them; false once the runtime stopped
+/// listening.
+fn acknowledge(
+    deferred: &mut VecDeque<Deferred>,
+    durable_through: Option<u64>,
+    target: usize,
+    acks: &mpsc::UnboundedSender<Ack>,
+    metrics: &SinkMetrics,
+) -> bool {
+    while let Some((seq, report, events)) = deferred.pop_front() {
+        if durable_through.is_some_and(|through| seq > through) {
+            deferred.push_front((seq, report, events));
+            break;
+        }
+        metrics.events.increment(events);
+        metrics.batches.increment(1);
+        if acks
+            .send(Ack::Done {
+                target,
+                seq,
+                report,
+            })
+            .is_err()
+        {
+            return false;
+        }
+    }
+    true
 }
 
 async fn sleep_until(deadline: Option<std::time::Instant>) {

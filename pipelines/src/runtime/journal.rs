@@ -72,12 +72,15 @@ impl Journal {
         let message = shortened(message);
         let at_ms = super::now_ms();
         let mut errors = lock(&self.errors);
-        if let Some(last) = errors.back_mut() {
-            if last.subject == subject && last.message == message && last.level == level {
+        match errors.back_mut() {
+            Some(last)
+                if last.subject == subject && last.message == message && last.level == level =>
+            {
                 last.count += 1;
                 last.at_ms = at_ms;
                 return;
             }
+            _ => {}
         }
         push_bounded(
             &mut errors,
