@@ -98,8 +98,8 @@ pub struct PipelineSection {
     /// Batches queued per sink before the source is paused (backpressure), 1 to 64.
     #[serde(default = "default_queue_depth")]
     pub queue_depth: usize,
-    /// Serve Prometheus metrics over HTTP at this address (`127.0.0.1:9464`), while the
-    /// pipeline runs; none when unset.
+    /// Serve Prometheus metrics over HTTP at this address (`127.0.0.1:9464`), with a status
+    /// page, health and readiness, while the pipeline runs; none when unset.
     #[serde(default)]
     pub metrics_addr: Option<String>,
     /// The clock time-based projections (tiers) and the aging job measure age against: `wall`

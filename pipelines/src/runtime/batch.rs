@@ -33,6 +33,9 @@ pub(super) struct Batch {
     pub(super) bytes: usize,
     /// When its first item arrived.
     pub(super) started: Option<Instant>,
+    /// The source commit time (ms since the epoch) of its first change that has one (the
+    /// source lag is measured from it).
+    pub(super) oldest_commit_ms: Option<i64>,
 }
 
 impl Batch {
@@ -46,6 +49,7 @@ impl Batch {
             emitted: 0,
             bytes: 0,
             started: None,
+            oldest_commit_ms: None,
         }
     }
 

@@ -25,6 +25,8 @@ struct Dispatched {
     seq: u64,
     end: BTreeMap<Arc<str>, Offset>,
     pending: usize,
+    /// The commit time of its oldest change (see `Batch::oldest_commit_ms`).
+    oldest_commit_ms: Option<i64>,
 }
 
 /// The batches in flight, oldest first, and the checkpoint the acknowledged ones make.
@@ -60,8 +62,24 @@ impl InFlight {
     }
 
     /// Records batch `seq`, ending at `end`, as sent to `pending` targets.
-    fn dispatched(&mut self, seq: u64, end: BTreeMap<Arc<str>, Offset>, pending: usize) {
-        self.batches.push_back(Dispatched { seq, end, pending });
+    fn dispatched(
+        &mut self,
+        seq: u64,
+        end: BTreeMap<Arc<str>, Offset>,
+        pending: usize,
+        oldest_commit_ms: Option<i64>,
+    ) {
+        self.batches.push_back(Dispatched {
+            seq,
+            end,
+            pending,
+            oldest_commit_ms,
+        });
+    }
+
+    /// The commit time of the oldest change in flight (not yet durable in every target).
+    pub(super) fn oldest_commit_ms(&self) -> Option<i64> {
+        self.batches.iter().find_map(|b| b.oldest_commit_ms)
     }
 
     /// Batch `seq`, still in flight, waits for one more acknowledgement (a sink's rejected
@@ -160,15 +178,29 @@ impl Processor {
                 },
             ));
         }
-        self.inflight.dispatched(seq, end, jobs.len());
+        self.inflight
+            .dispatched(seq, end, jobs.len(), batch.oldest_commit_ms);
         for (target, job) in jobs {
-            if self.job_txs[target].send(job).await.is_err() {
+            let queue = &self.job_txs[target];
+            if queue.send(job).await.is_err() {
                 // The target's task ended: its failure is waiting in the ack channel.
                 return Err(self.first_failure().await);
             }
+            self.metrics.queue_depth[target].set((queue.max_capacity() - queue.capacity()) as f64);
         }
         self.inflight.complete_ready();
+        self.publish_pending();
         Ok(())
+    }
+
+    /// Tells the status endpoint the commit time of the oldest change read and not yet
+    /// durable everywhere (the source lag).
+    pub(super) fn publish_pending(&self) {
+        let oldest = self
+            .inflight
+            .oldest_commit_ms()
+            .or(self.batch.oldest_commit_ms);
+        self.health.pending_since(oldest);
     }
 
     /// Saves what the projections learned from a batch ending at `end`, before any of the batch
@@ -212,6 +244,7 @@ impl Processor {
                     self.summary.add_report(target, report);
                 }
                 self.inflight.acknowledged(seq);
+                self.publish_pending();
                 Ok(())
             }
             Ack::Failed {
@@ -263,6 +296,11 @@ impl Processor {
             .into_iter()
             .map(|op| {
                 tracing::warn!(sink = %sink, position = %op.position, table = %op.table, reason = %op.reason, "dead-lettering an operation the sink rejected");
+                self.health.journal.dead_letter(
+                    Stage::Sink,
+                    op.position.to_string(),
+                    &format!("sink `{sink}`: {}", op.reason),
+                );
                 DeadLetter {
                     position: op.position,
                     stage: Stage::Sink,
@@ -274,7 +312,7 @@ impl Processor {
             })
             .collect();
         self.summary.dead_letters += letters.len() as u64;
-        self.metrics.dead_letters.increment(letters.len() as u64);
+        super::metrics::dead_letters(Stage::Sink).increment(letters.len() as u64);
         self.inflight.add_pending(seq);
         let job = Job::Letters { seq, letters };
         if self.job_txs[self.dead_letter_target]
@@ -325,6 +363,9 @@ pub(super) async fn checkpointer(
                 .await
                 .expect("checkpoint commit task")?;
             tracing::debug!(checkpoint = ?next, "checkpoint committed");
+            for (partition, offset) in &next {
+                super::metrics::checkpoint_offset(partition).set(offset.0 as f64);
+            }
             last = next.clone();
             let _ = durable.send(next);
         }

@@ -3,7 +3,7 @@
 //! waits, and acknowledges each batch once it is durable.
 
 use std::collections::VecDeque;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use refract_connectors::dead_letter::{DeadLetter, DeadLetterStore};
@@ -11,6 +11,8 @@ use refract_connectors::{BuiltSink, SinkBatch, SinkError, WriteReport};
 use refract_schemas::Checkpoint;
 use tokio::sync::{mpsc, watch};
 
+use super::journal::Level;
+use super::metrics::SinkMetrics;
 use super::status::Health;
 use std::sync::Arc;
 
@@ -19,6 +21,9 @@ const RETRY_MIN_DELAY: Duration = Duration::from_millis(100);
 /// Retry delay ceiling: a target back from an outage is noticed within this time (jitter adds
 /// up to as much again).
 const RETRY_MAX_DELAY: Duration = Duration::from_secs(5);
+
+/// The name the dead-letter store goes by among the targets (`/health`, metrics' `sink` label).
+pub(crate) const DEAD_LETTER_TARGET: &str = "dead_letter";
 
 /// Work for a delivery task.
 pub(crate) enum Job {
@@ -56,7 +61,7 @@ impl Target {
     pub(crate) fn name(&self) -> String {
         match self {
             Target::Sink(s) => s.name.clone(),
-            Target::DeadLetters(_) => "dead_letter".to_owned(),
+            Target::DeadLetters(_) => DEAD_LETTER_TARGET.to_owned(),
         }
     }
 
@@ -99,10 +104,10 @@ enum Attempt<'a> {
     Deliver(&'a Job),
 }
 
-/// Where a delivery task reports its target's health: made once per task.
+/// Where a delivery task reports its target's health and counts its work: made once per task.
 struct Reporter {
     name: String,
-    healthy: metrics::Gauge,
+    metrics: SinkMetrics,
     health: Arc<Health>,
 }
 
@@ -115,9 +120,10 @@ async fn retrying(
 ) -> Result<WriteReport, (SinkError, bool)> {
     let Reporter {
         name,
-        healthy,
+        metrics,
         health,
     } = reporter;
+    let healthy = &metrics.healthy;
     let what = match attempt {
         Attempt::Open(_) => "open",
         Attempt::Deliver(_) => "write",
@@ -165,6 +171,12 @@ async fn retrying(
                     tracing::error!(sink = %name, waited_ms = first_failure.elapsed().as_millis() as u64, error = %e, "pipeline unhealthy: a batch has waited longer than the sink's bound; still retrying, the checkpoint holds");
                 }
                 let delay = backoff.next().unwrap_or(RETRY_MAX_DELAY);
+                metrics.retries.increment(1);
+                health.journal.note(
+                    Level::Warning,
+                    name,
+                    &format!("{what} failed, retrying: {e}"),
+                );
                 tracing::warn!(sink = %name, attempt = failures, retry_in_ms = delay.as_millis() as u64, error = %e, "{what} failed, retrying");
                 tokio::select! {
                     _ = tokio::time::sleep(delay) => {}
@@ -189,7 +201,7 @@ pub(crate) async fn run(
 ) {
     let name = target.name();
     let reporter = Reporter {
-        healthy: super::metrics::sink_healthy(&name),
+        metrics: SinkMetrics::new(&name),
         name: name.clone(),
         health,
     };
@@ -205,8 +217,9 @@ pub(crate) async fn run(
         return;
     }
     reporter.health.opened(&name);
-    // Batches a buffering sink has written but not yet made durable, with their reports.
-    let mut deferred: VecDeque<(u64, WriteReport)> = VecDeque::new();
+    // Batches a buffering sink has written but not yet made durable, with their reports and
+    // sizes.
+    let mut deferred: VecDeque<Deferred> = VecDeque::new();
     let mut open = true;
     while open || !deferred.is_empty() {
         let deadline = match &target {
@@ -224,11 +237,13 @@ pub(crate) async fn run(
             },
             () = sleep_until(deadline) => Job::Flush,
         };
+        reporter.metrics.queue_depth.set(jobs.len() as f64);
         let seq = match &job {
-            Job::Ops(b) => Some(b.seq),
-            Job::Letters { seq, .. } => Some(*seq),
+            Job::Ops(b) => Some((b.seq, b.ops.len() as u64)),
+            Job::Letters { seq, letters } => Some((*seq, letters.len() as u64)),
             Job::Flush => None,
         };
+        let started = Instant::now();
         match retrying(
             &mut target,
             Attempt::Deliver(&job),
@@ -238,28 +253,19 @@ pub(crate) async fn run(
         .await
         {
             Ok(report) => {
-                if let Some(seq) = seq {
-                    deferred.push_back((seq, report));
+                if let Some((seq, events)) = seq {
+                    reporter
+                        .metrics
+                        .write_seconds
+                        .record(started.elapsed().as_secs_f64());
+                    deferred.push_back((seq, report, events));
                 }
                 let durable = match &target {
                     Target::Sink(s) => s.sink.buffered().map(|b| b.durable_through),
                     Target::DeadLetters(_) => None,
                 };
-                while let Some((seq, report)) = deferred.pop_front() {
-                    if durable.is_some_and(|through| seq > through) {
-                        deferred.push_front((seq, report));
-                        break;
-                    }
-                    if acks
-                        .send(Ack::Done {
-                            target: index,
-                            seq,
-                            report,
-                        })
-                        .is_err()
-                    {
-                        return;
-                    }
+                if !acknowledge(&mut deferred, durable, index, &acks, &reporter.metrics) {
+                    return;
                 }
             }
             Err((error, stop)) => {
@@ -288,6 +294,40 @@ pub(crate) async fn run(
             Err(e) => tracing::warn!(sink = %name, error = %e, "closing the sink failed"),
         }
     }
+}
+
+/// A batch written but not yet acknowledged: its sequence number, report and size in events.
+type Deferred = (u64, WriteReport, u64);
+
+/// Acknowledges the leading `deferred` batches that are durable (all of them, unless the sink
+/// buffers: those up to its `durable_through`), counting them; false once the runtime stopped
+/// listening.
+fn acknowledge(
+    deferred: &mut VecDeque<Deferred>,
+    durable_through: Option<u64>,
+    target: usize,
+    acks: &mpsc::UnboundedSender<Ack>,
+    metrics: &SinkMetrics,
+) -> bool {
+    while let Some((seq, report, events)) = deferred.pop_front() {
+        if durable_through.is_some_and(|through| seq > through) {
+            deferred.push_front((seq, report, events));
+            break;
+        }
+        metrics.events.increment(events);
+        metrics.batches.increment(1);
+        if acks
+            .send(Ack::Done {
+                target,
+                seq,
+                report,
+            })
+            .is_err()
+        {
+            return false;
+        }
+    }
+    true
 }
 
 async fn sleep_until(deadline: Option<std::time::Instant>) {

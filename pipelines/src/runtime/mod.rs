@@ -31,6 +31,8 @@
 mod batch;
 mod checkpointing;
 mod delivery;
+mod history;
+mod journal;
 pub mod keyed_state;
 mod metrics;
 mod processor;
@@ -248,6 +250,7 @@ pub(crate) async fn run_parts(
         sink_names,
         dead_letter_location,
         resumed,
+        health,
     };
     let mut processor = wiring::new_processor(config, &options, inputs);
     let outcome = processor.run(&mut *source, shutdown).await;

@@ -20,6 +20,7 @@ use super::delivery::{Ack, Job};
 use super::keyed_state::KeyedState;
 use super::metrics::ProcessorMetrics;
 use super::progress::Progress;
+use super::status::Health;
 use super::{PROGRESS_INTERVAL, RunError, RunSummary};
 use crate::checkpoint::CheckpointStore;
 
@@ -65,6 +66,8 @@ pub(super) struct Processor {
     pub(super) bar: Option<Progress>,
     /// The pipeline's clock, handed to projections as `now` (`[pipeline] clock`).
     pub(super) clock: refract_schemas::clock::Clock,
+    /// Health and recent troubles, for the status endpoint (dead letters, source lag).
+    pub(super) health: Arc<Health>,
 }
 
 impl Processor {
@@ -206,6 +209,10 @@ impl Processor {
             }
             Ok(Record::Change(event)) => {
                 self.summary.count_op(event.op);
+                if self.batch.oldest_commit_ms.is_none() && event.source.ts_ms.is_some() {
+                    self.batch.oldest_commit_ms = event.source.ts_ms;
+                    self.publish_pending();
+                }
                 if let Some((stage, reason)) = self.project(event, now)? {
                     let table = Some(event.table.to_string());
                     self.reject(DeadLetter {
@@ -318,7 +325,12 @@ impl Processor {
             OnError::DeadLetter => {
                 tracing::warn!(position = %letter.position, stage = ?letter.stage, reason = %letter.reason, "dead-lettering bad input");
                 self.summary.dead_letters += 1;
-                self.metrics.dead_letters.increment(1);
+                super::metrics::dead_letters(letter.stage).increment(1);
+                self.health.journal.dead_letter(
+                    letter.stage,
+                    letter.position.to_string(),
+                    &letter.reason,
+                );
                 self.batch.letters.push(letter);
                 Ok(())
             }

@@ -324,6 +324,7 @@ pub(super) struct ProcessorInputs {
     pub(super) sink_names: Vec<String>,
     pub(super) dead_letter_location: String,
     pub(super) resumed: Checkpoint,
+    pub(super) health: Arc<status::Health>,
 }
 
 /// The processor of a run, its summary naming where each sink writes.
@@ -343,7 +344,10 @@ pub(super) fn new_processor(
         sink_names,
         dead_letter_location,
         resumed,
+        health,
     } = inputs;
+    let mut targets = sink_names.clone();
+    targets.push(delivery::DEAD_LETTER_TARGET.to_owned());
     let mut processor = Processor {
         store,
         on_error: config.pipeline.on_error,
@@ -362,8 +366,9 @@ pub(super) fn new_processor(
         summary: RunSummary::new(sink_names, dead_letter_location, resumed),
         draw_bar: options.progress_bar,
         bar: None,
-        metrics: ProcessorMetrics::new(),
+        metrics: ProcessorMetrics::new(&targets),
         clock: pipeline_clock(config),
+        health,
     };
     for (name, sink) in &config.sinks {
         let location = match sink {

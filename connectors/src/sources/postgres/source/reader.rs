@@ -525,13 +525,16 @@ impl Reader {
         Ok(())
     }
 
-    /// Warns when the slot holds back more WAL than allowed; stops when it was invalidated.
+    /// Measures the slot's retained WAL and lag; warns when it holds back more WAL than allowed;
+    /// stops when it was invalidated.
     pub(super) async fn check_slot(&mut self) -> Result<(), SourceError> {
         let query = self.bounded(async {
             self.catalog
                 .query_opt(
                     "SELECT coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::int8, \
-                            coalesce(wal_status, '') FROM pg_replication_slots WHERE slot_name = $1",
+                            coalesce(wal_status, ''), \
+                            coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn), 0)::int8 \
+                     FROM pg_replication_slots WHERE slot_name = $1",
                     &[&self.slot],
                 )
                 .await
@@ -557,6 +560,7 @@ impl Reader {
             return Err(slot_lost(&self.slot));
         }
         self.metrics.retained_wal(retained);
+        self.metrics.lag(row.get::<_, i64>(2).max(0) as u64);
         if retained > self.max_retained_wal {
             tracing::warn!(
                 slot = %self.slot,
