@@ -537,11 +537,10 @@ fn tls_cli(dir: &std::path::Path, port: u16, user: Option<(&str, &str)>, args: &
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
-#[test]
-fn tls_and_an_acl_user_from_the_environment() {
-    let t = "cache_tls";
-    let _cleanup = Cleanup::new(t, &[t]);
-    fresh_products(t, 10);
+/// A redis-server taking only TLS on a free port, with a certificate for 127.0.0.1 and localhost
+/// signed by a private CA (`ca.pem` in the returned directory, beside `other-ca.pem`, a CA that
+/// signed nothing). Returns (directory, port, server).
+fn tls_redis() -> (tempfile::TempDir, u16, Running) {
     let dir = tempfile::tempdir().unwrap();
     // A private CA, and a server certificate it signed for 127.0.0.1 and localhost.
     let d = dir.path();
@@ -550,7 +549,7 @@ fn tls_and_an_acl_user_from_the_environment() {
         "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
     )
     .unwrap();
-    let steps: [Vec<&str>; 3] = [
+    let steps: [Vec<&str>; 4] = [
         vec![
             "req",
             "-x509",
@@ -565,6 +564,21 @@ fn tls_and_an_acl_user_from_the_environment() {
             "ca.key",
             "-out",
             "ca.pem",
+        ],
+        vec![
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=another test CA",
+            "-keyout",
+            "other-ca.key",
+            "-out",
+            "other-ca.pem",
         ],
         vec![
             "req",
@@ -605,7 +619,7 @@ fn tls_and_an_acl_user_from_the_environment() {
         assert!(out.status.success(), "openssl {args:?}: {out:?}");
     }
     let port = free_port();
-    let mut server = Running::spawn(
+    let server = Running::spawn(
         std::process::Command::new("redis-server")
             .args([
                 "--port",
@@ -641,6 +655,15 @@ fn tls_and_an_acl_user_from_the_environment() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+    (dir, port, server)
+}
+
+#[test]
+fn tls_and_an_acl_user_from_the_environment() {
+    let t = "cache_tls";
+    let _cleanup = Cleanup::new(t, &[t]);
+    fresh_products(t, 10);
+    let (dir, port, mut server) = tls_redis();
     // Only the ACL user `refract` may do anything.
     tls_cli(
         dir.path(),
@@ -726,6 +749,39 @@ fn tls_and_an_acl_user_from_the_environment() {
     println!(
         "tls: rediss:// with a private CA and an ACL user from REDIS_USERNAME/REDIS_PASSWORD: keys of changed products deleted, plan shows no password"
     );
+}
+
+#[test]
+fn tls_refuses_a_server_signed_by_another_ca() {
+    let t = "cache_tls_wrong_ca";
+    let _cleanup = Cleanup::new(t, &[t]);
+    fresh_products(t, 3);
+    let (dir, port, mut server) = tls_redis();
+    let pipeline_trusting = |ca: &str| {
+        cache_pipeline(
+            dir.path(),
+            t,
+            &format!("rediss://localhost:{port}"),
+            &format!("tls_ca_file = \"{}\"", dir.path().join(ca).display()),
+            "",
+        )
+    };
+    let out = refract()
+        .args(["run", "--until-caught-up"])
+        .arg(pipeline_trusting("other-ca.pem"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    let expected = format!(
+        "TLS: the server certificate is not signed by the CA in tls_ca_file={}",
+        dir.path().join("other-ca.pem").display()
+    );
+    assert!(stderr.contains(&expected), "{stderr}");
+    // The same server with the CA that signed its certificate: the refusal was the CA's doing.
+    catch_up(&pipeline_trusting("ca.pem"));
+    server.child().kill().unwrap();
+    println!("tls: a Redis server signed by another CA is refused: {expected}");
 }
 
 #[test]

@@ -7,12 +7,14 @@ pub mod dead_letter;
 pub mod health;
 pub mod intake;
 pub mod migration;
+pub mod pg_connect;
 mod privileges;
 pub mod registry;
 pub mod schema_registry;
 pub mod sinks;
 pub mod sources;
 pub mod tiers;
+mod tls_refusal;
 
 use async_trait::async_trait;
 use refract_schemas::debezium::DecodeError;

@@ -16,6 +16,7 @@ pub mod control;
 pub mod rows;
 pub mod verify;
 
+use crate::pg_connect::{PgConnectError, PgEndpoint};
 use crate::sources::postgres::inspect::error_text;
 use crate::sources::postgres::share_lock;
 
@@ -78,18 +79,13 @@ pub fn db(what: impl Into<String>) -> impl FnOnce(tokio_postgres::Error) -> Migr
 
 /// An ordinary connection to the migration's database, its connection task spawned.
 pub async fn connect(url: &str) -> Result<tokio_postgres::Client, MigrationError> {
-    let config: tokio_postgres::Config = url
-        .parse()
-        .map_err(|e| MigrationError::Refused(format!("invalid PostgreSQL URL: {e}")))?;
-    let (client, connection) = config
-        .connect(tokio_postgres::NoTls)
-        .await
-        .map_err(db("cannot connect to PostgreSQL"))?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "migration connection ended");
+    let endpoint = PgEndpoint::parse(url).map_err(|e| MigrationError::Refused(e.to_string()))?;
+    let client = endpoint.connect("migration").await.map_err(|e| match e {
+        PgConnectError::Connect(e) => db("cannot connect to PostgreSQL")(e),
+        refused @ PgConnectError::Tls(_) => {
+            MigrationError::Refused(format!("cannot connect to PostgreSQL: {refused}"))
         }
-    });
+    })?;
     // The notices of `IF EXISTS` and the like are not news to an operator; the setting lets
     // this session write a table the write guard closes to applications (see `control`).
     client

@@ -20,6 +20,8 @@ use object_store::ObjectStore;
 use object_store::path::Path;
 use refract_schemas::config::TierLayout;
 
+use crate::pg_connect::{PgConnectError, PgEndpoint};
+
 /// The advisory lock both cold writers (the sink's late heartbeats and an aging run) hold while
 /// they read and rewrite a day's files: `pg_advisory_lock(hashtext(…))` on the warm database.
 pub fn cold_lock_sql(layout: &TierLayout, lock: bool) -> String {
@@ -41,19 +43,14 @@ pub(crate) fn quote_literal(text: &str) -> String {
 /// Connects to the warm tier's database (the connection runs on a task of its own).
 pub async fn connect_warm(layout: &TierLayout) -> Result<tokio_postgres::Client, TierError> {
     let url = &layout.stores.warm.url;
-    let config: tokio_postgres::Config = url.expose().parse().map_err(|e| {
-        TierError::Config(format!("invalid PostgreSQL URL `{}`: {e}", url.masked()))
-    })?;
-    let (client, connection) = config
-        .connect(tokio_postgres::NoTls)
-        .await
-        .map_err(|e| TierError::Warm(format!("cannot connect to {}", url.masked()), e))?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "warm tier connection ended");
+    let endpoint = PgEndpoint::parse(url.expose()).map_err(|e| TierError::Config(e.to_string()))?;
+    let what = format!("cannot connect to {}", url.masked());
+    endpoint.connect("warm tier").await.map_err(|e| match e {
+        PgConnectError::Connect(e) => TierError::Warm(what, e),
+        refused @ PgConnectError::Tls(_) => {
+            TierError::Config(format!("warm tier: {what}: {refused}"))
         }
-    });
-    Ok(client)
+    })
 }
 
 /// Opens the cold tier's object store and its root.

@@ -14,6 +14,7 @@ pub mod interpolate;
 mod kafka;
 mod load;
 mod migration;
+pub mod pg_tls;
 mod secret;
 mod tiers;
 mod validate;

@@ -16,6 +16,7 @@ pub mod kafka;
 pub mod migrate;
 pub mod parquet;
 pub mod pg_table;
+pub mod pg_tls;
 pub mod png;
 pub mod proxy;
 pub mod registry;

@@ -36,6 +36,7 @@ use refract_schemas::config::{POSTGRES_TOMBSTONES_TABLE, PostgresSinkConfig};
 use refract_schemas::write::{DocumentOp, OpFamily};
 use refract_schemas::{Checkpoint, Position};
 
+use crate::pg_connect::{PgConnectError, PgEndpoint};
 use crate::sinks::documents::{Keyed, segments};
 
 mod privileges;
@@ -131,31 +132,25 @@ impl PostgresSink {
             return Ok(());
         }
         self.ready.clear();
-        let pg: tokio_postgres::Config =
-            self.config
-                .url
-                .expose()
-                .parse()
-                .map_err(|e| SinkError::Permanent {
-                    sink: self.name.clone(),
-                    message: format!("invalid PostgreSQL URL `{}`", self.config.url.masked()),
-                    source: Some(Box::new(e)),
-                })?;
-        let (client, connection) = match pg.connect(tokio_postgres::NoTls).await {
-            Ok(c) => c,
-            Err(e) => {
-                let what = format!("cannot connect to {}", self.config.url.masked());
-                return Err(self.classify(what, e));
+        let endpoint =
+            PgEndpoint::parse(self.config.url.expose()).map_err(|e| SinkError::Permanent {
+                sink: self.name.clone(),
+                message: e.to_string(),
+                source: None,
+            })?;
+        let what = format!("cannot connect to {}", self.config.url.masked());
+        match endpoint.connect("sink").await {
+            Ok(client) => {
+                self.client = Some(client);
+                Ok(())
             }
-        };
-        let name = self.name.clone();
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(sink = %name, error = %e, "connection ended");
-            }
-        });
-        self.client = Some(client);
-        Ok(())
+            Err(PgConnectError::Connect(e)) => Err(self.classify(what, e)),
+            Err(refused @ PgConnectError::Tls(_)) => Err(SinkError::Permanent {
+                sink: self.name.clone(),
+                message: format!("{what}: {refused}"),
+                source: None,
+            }),
+        }
     }
 }
 

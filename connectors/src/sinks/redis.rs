@@ -193,11 +193,28 @@ impl RedisSink {
             ),
         };
         let mut connector = Connector { client, conn: None };
-        connector
-            .get()
-            .await
-            .map_err(|e| self.error("cannot connect to Redis", e))?;
+        connector.get().await.map_err(|e| self.connect_error(e))?;
         Ok(connector)
+    }
+
+    /// A failed connection; a server TLS refused is named with the cause (permanent).
+    fn connect_error(&self, e: RedisError) -> SinkError {
+        let Some(refusal) = crate::tls_refusal::find(&e) else {
+            return self.error("cannot connect to Redis", e);
+        };
+        let trusted = match &self.config.tls_ca_file {
+            Some(path) => format!("the CA in tls_ca_file={path}"),
+            None => "any of the well-known roots (no tls_ca_file)".to_owned(),
+        };
+        let cause = crate::tls_refusal::describe(refusal, &trusted);
+        SinkError::Permanent {
+            sink: self.name.clone(),
+            message: format!(
+                "cannot connect to Redis ({}): TLS: {cause}",
+                self.config.url.masked()
+            ),
+            source: Some(Box::new(e)),
+        }
     }
 
     /// The command that removes an invalidated key.

@@ -171,6 +171,9 @@ impl MigrationFile {
                 "must be letters, digits, `-` and `_` (it names a slot and a directory)".into(),
             );
         }
+        if let Err(e) = super::pg_tls::split_tls(m.url.expose()) {
+            say("migration.url", e.to_string());
+        }
         if m.source == m.target {
             say(
                 "migration.target",

@@ -150,6 +150,19 @@ fn object_store_url(problem: &mut impl FnMut(&str, String), path: &str, url: &Se
     }
 }
 
+/// A `postgres://` URL whose TLS parameters (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`)
+/// refract can act on.
+pub(crate) fn postgres_url(problem: &mut impl FnMut(&str, String), path: &str, url: &str) {
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+        problem(
+            path,
+            format!("`{}` is not a postgres:// URL", mask_url(url)),
+        );
+    } else if let Err(e) = super::pg_tls::split_tls(url) {
+        problem(path, e.to_string());
+    }
+}
+
 /// Whether a pass-through client setting (a Kafka sink's `properties`) holds a secret, by its
 /// name: passwords, secrets, private keys, JAAS configs, tokens. `plan` shows such values as
 /// `***`.

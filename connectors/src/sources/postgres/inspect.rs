@@ -11,6 +11,8 @@ use std::time::Duration;
 use refract_schemas::config::PostgresSourceConfig;
 use tokio_postgres::error::SqlState;
 
+use crate::pg_connect::{PgConnectError, PgEndpoint};
+
 /// How long connecting may take when the URL does not say (`connect_timeout`).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -259,22 +261,16 @@ pub struct PgAdmin {
 impl PgAdmin {
     /// Connects to `url` (a `connect_timeout` of 5 s unless the URL sets one).
     pub async fn connect(url: &str) -> Result<Self, InspectError> {
-        let mut config: tokio_postgres::Config = url
-            .parse()
-            .map_err(|e: tokio_postgres::Error| InspectError::Url(e.to_string()))?;
+        let mut endpoint = PgEndpoint::parse(url).map_err(|e| InspectError::Url(e.0))?;
+        let config = &mut endpoint.config;
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(CONNECT_TIMEOUT);
         }
         config.application_name("refract-admin");
-        let (client, connection) = config
-            .connect(tokio_postgres::NoTls)
-            .await
-            .map_err(|e| InspectError::Connect(error_text(&e)))?;
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(error = %e, "admin connection ended");
-            }
-        });
+        let client = endpoint.connect("admin").await.map_err(|e| match e {
+            PgConnectError::Connect(e) => InspectError::Connect(error_text(&e)),
+            other => InspectError::Connect(other.to_string()),
+        })?;
         Ok(Self { client })
     }
 

@@ -24,9 +24,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use pgwire_replication::{
-    Lsn, ReplicationClient, ReplicationConfig, TlsConfig, client::ReplicationEvent,
-};
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, client::ReplicationEvent};
 use refract_schemas::config::{PostgresSourceConfig, SecretUrl, SnapshotMode};
 use refract_schemas::debezium::DecodeError;
 use refract_schemas::event::{SourceInfo, TxBoundary, TxInfo, TxStatus};
@@ -42,6 +40,7 @@ use super::pgoutput::{self, Datum, Message, OldKind, Relation, Tuple};
 use super::privileges;
 use super::snapshot::{self, ChunkMessage, ChunkProgress, Chunker, CopySnapshot};
 use super::values::text_to_json;
+use crate::pg_connect::{PgEndpoint, TLS_REFUSED};
 use crate::{ReadMode, Source, SourceContext, SourceError, SourceHealth, SourceItem};
 use events::RowShape;
 use liveness::Liveness;
@@ -172,10 +171,8 @@ pub(crate) fn quote_ident(name: &str) -> String {
 /// noticed by the kernel (the URL's `connect_timeout`, `tcp_user_timeout`, `keepalives_interval`
 /// and `keepalives_retries` win).
 pub(crate) async fn connect(url: &str) -> Result<tokio_postgres::Client, SourceError> {
-    let mut pg: tokio_postgres::Config = url.parse().map_err(|e| SourceError::Io {
-        message: format!("invalid PostgreSQL URL: {e}"),
-        source: None,
-    })?;
+    let mut endpoint = endpoint(url)?;
+    let pg = &mut endpoint.config;
     if pg.get_connect_timeout().is_none() {
         pg.connect_timeout(CONNECT_TIMEOUT);
     }
@@ -190,23 +187,27 @@ pub(crate) async fn connect(url: &str) -> Result<tokio_postgres::Client, SourceE
         pg.keepalives_retries(KEEPALIVE_RETRIES);
     }
     // The connect timeout bounds the TCP handshake only: the whole opening is bounded too.
-    let (client, connection) =
-        tokio::time::timeout(CONNECT_TIMEOUT, pg.connect(tokio_postgres::NoTls))
-            .await
-            .map_err(|_| SourceError::Io {
-                message: format!(
-                    "cannot connect to PostgreSQL: no answer within {} s",
-                    CONNECT_TIMEOUT.as_secs()
-                ),
-                source: None,
-            })?
-            .map_err(io("cannot connect to PostgreSQL"))?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::warn!(error = %e, "a PostgreSQL connection failed");
-        }
-    });
-    Ok(client)
+    tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect("source"))
+        .await
+        .map_err(|_| SourceError::Io {
+            message: format!(
+                "cannot connect to PostgreSQL: no answer within {} s",
+                CONNECT_TIMEOUT.as_secs()
+            ),
+            source: None,
+        })?
+        .map_err(|e| SourceError::Io {
+            message: format!("cannot connect to PostgreSQL: {e}"),
+            source: None,
+        })
+}
+
+/// The source's server, as its URL names it.
+fn endpoint(url: &str) -> Result<PgEndpoint, SourceError> {
+    PgEndpoint::parse(url).map_err(|e| SourceError::Io {
+        message: e.to_string(),
+        source: None,
+    })
 }
 
 #[async_trait]
@@ -221,15 +222,7 @@ impl Source for PostgresSource {
         mode: ReadMode,
         durable: watch::Receiver<Checkpoint>,
     ) -> Result<(), SourceError> {
-        let pg: tokio_postgres::Config =
-            self.config
-                .url
-                .expose()
-                .parse()
-                .map_err(|e| SourceError::Io {
-                    message: format!("invalid PostgreSQL URL: {e}"),
-                    source: None,
-                })?;
+        let pg = endpoint(self.config.url.expose())?;
         let client = connect(self.config.url.expose()).await?;
         let resume = checkpoint.get(&*self.partition).copied();
         let snapshot_path = PostgresSource::snapshot_progress_path(&self.context.state_dir);
@@ -269,7 +262,7 @@ impl Source for PostgresSource {
             request_prefix: snapshot::request_prefix(&self.slot),
             replication_config: cfg,
             partition: self.partition.clone(),
-            db: pg.get_dbname().map(Arc::from),
+            db: pg.config.get_dbname().map(Arc::from),
             connector: Arc::from(CONNECTOR),
             flushes: 0,
             ends_at: self.ends_at.clone(),
@@ -647,15 +640,15 @@ pub(super) fn publication_target(tables: &[String]) -> String {
 }
 
 /// The replication session's settings, from the source's URL.
-fn replication_config(
-    pg: &tokio_postgres::Config,
-    slot: &str,
-    publication: &str,
-) -> ReplicationConfig {
+fn replication_config(endpoint: &PgEndpoint, slot: &str, publication: &str) -> ReplicationConfig {
+    let pg = &endpoint.config;
+    let host = pg
+        .get_hosts()
+        .first()
+        .map_or_else(|| "127.0.0.1".to_owned(), host_string);
+    let tls = endpoint.replication_tls(&host);
     ReplicationConfig::new(
-        pg.get_hosts()
-            .first()
-            .map_or_else(|| "127.0.0.1".to_owned(), host_string),
+        host,
         pg.get_user().unwrap_or("postgres"),
         pg.get_password()
             .map(|p| String::from_utf8_lossy(p).into_owned())
@@ -665,10 +658,10 @@ fn replication_config(
         publication.to_owned(),
     )
     .with_port(pg.get_ports().first().copied().unwrap_or(5432))
-    .with_tls(TlsConfig::disabled())
+    .with_tls(tls)
     .with_status_interval(STATUS_INTERVAL)
     .with_wakeup_interval(STATUS_INTERVAL)
-    .with_application_name("refract")
+    .with_application_name(pg.get_application_name().unwrap_or("refract"))
 }
 
 /// Where the stream starts for a checkpoint: (LSN to ask for, changes to skip up to).
@@ -767,6 +760,7 @@ fn is_permanent(e: &SourceError) -> bool {
                 || message.contains("does not exist")
                 || message.contains("can no longer get changes")
                 || message.contains("invalidated")
+                || message.contains(TLS_REFUSED)
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{object_store_url, range};
+use super::{object_store_url, postgres_url, range};
 use crate::config::{
     KafkaSinkConfig, ObjectJsonSinkConfig, POSTGRES_TOMBSTONES_TABLE, ParquetSinkConfig,
     PipelineFile, PostgresSinkConfig, ProjectionConfig, RedisDeleteCommand, RedisSinkConfig,
@@ -170,12 +170,7 @@ fn parquet(problem: &mut impl FnMut(&str, String), base: &str, s: &ParquetSinkCo
 /// `kind = "postgres"`: a postgres:// URL, schema and table names usable unquoted, and a bounded
 /// number of rows per statement.
 fn postgres(problem: &mut impl FnMut(&str, String), base: &str, s: &PostgresSinkConfig) {
-    if !(s.url.starts_with("postgres://") || s.url.starts_with("postgresql://")) {
-        problem(
-            &format!("{base}.url"),
-            format!("`{}` is not a postgres:// URL", s.url.masked()),
-        );
-    }
+    postgres_url(problem, &format!("{base}.url"), s.url.expose());
     let ident = |v: &str| {
         !v.is_empty() && v.len() <= 63 && v.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
     };

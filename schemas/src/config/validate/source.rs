@@ -1,6 +1,6 @@
 //! The rules of the `[source]` section, one function per kind of source.
 
-use super::range;
+use super::{postgres_url, range};
 use crate::config::{
     FileSourceConfig, KAFKA_SOURCE_RESERVED, KafkaFormat, KafkaSourceConfig, PipelineFile,
     PostgresSourceConfig, ProjectionConfig, SourceConfig,
@@ -39,12 +39,7 @@ fn file(problem: &mut impl FnMut(&str, String), f: &FileSourceConfig) {
 /// `kind = "postgres"`: a postgres:// URL, slot and publication names PostgreSQL accepts, tables
 /// written `schema.table`, and a snapshot chunk size within bounds.
 fn postgres(problem: &mut impl FnMut(&str, String), pg: &PostgresSourceConfig) {
-    if !(pg.url.starts_with("postgres://") || pg.url.starts_with("postgresql://")) {
-        problem(
-            "source.url",
-            format!("`{}` is not a postgres:// URL", pg.url.masked()),
-        );
-    }
+    postgres_url(problem, "source.url", pg.url.expose());
     for (field, name) in [
         ("source.slot", &pg.slot),
         ("source.publication", &pg.publication),

@@ -234,6 +234,15 @@ fn each_rule_names_its_field() {
             "`mysql://u:***@db/x` is not a postgres:// URL",
         ),
         (
+            "source sslmode",
+            edit(&[(
+                FILE_SOURCE,
+                "kind = \"postgres\"\nurl = \"postgres://db/x?sslmode=on\"",
+            )]),
+            "source.url",
+            "sslmode `on` is not one of disable, prefer, require, verify-ca, verify-full",
+        ),
+        (
             "slot",
             pg("slot = \"Bad-Slot\""),
             "source.slot",
@@ -628,6 +637,24 @@ fn each_rule_names_its_field() {
             )]),
             "sinks.docs_db.url",
             "`pg://u:***@db/app` is not a postgres:// URL",
+        ),
+        (
+            "postgres sink sslmode",
+            edit(&[(
+                "url = \"postgres://app@db/app\"",
+                "url = \"postgres://u:pw@db/app?sslmode=verify_full\"",
+            )]),
+            "sinks.docs_db.url",
+            "sslmode `verify_full` is not one of disable, prefer, require, verify-ca, verify-full",
+        ),
+        (
+            "postgres sink verify-full without a CA",
+            edit(&[(
+                "url = \"postgres://app@db/app\"",
+                "url = \"postgres://app@db/app?sslmode=verify-full\"",
+            )]),
+            "sinks.docs_db.url",
+            "sslmode=verify-full needs sslrootcert",
         ),
         (
             "postgres sink schema",

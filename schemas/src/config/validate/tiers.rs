@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 
-use super::{object_store_url, range};
+use super::{object_store_url, postgres_url, range};
 use crate::config::{
     PipelineFile, ProjectionConfig, TiersProjectionConfig, TiersSinkConfig, parse_window,
 };
@@ -128,12 +128,7 @@ pub(super) fn sink(
             format!("`{}` must be non-empty without spaces", s.hot.key_prefix),
         );
     }
-    if !(s.warm.url.starts_with("postgres://") || s.warm.url.starts_with("postgresql://")) {
-        problem(
-            &format!("{base}.warm.url"),
-            format!("`{}` is not a postgres:// URL", s.warm.url.masked()),
-        );
-    }
+    postgres_url(problem, &format!("{base}.warm.url"), s.warm.url.expose());
     let (schema, table) = s
         .warm
         .table
