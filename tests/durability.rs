@@ -243,7 +243,10 @@ fn cold_files_are_synced_before_the_checkpoint_and_before_aging_drops_their_part
         assert_synced_with_directories(&synced, file, &cold, last_checkpoint(&synced));
     }
 
-    let mut age = db.refract(clock, None);
+    // The DROP is read from the traced `sendto`: in plain text, so without TLS (the default
+    // `sslmode=prefer` would encrypt it).
+    let plain = format!("{}?sslmode=disable", db.url);
+    let mut age = db.refract(clock, Some(&plain));
     age.arg("tiers").arg(&pipeline).arg("age");
     let (out, trace) = traced(&age, "fsync,fdatasync,sendto,write,writev");
     assert!(
