@@ -38,9 +38,9 @@ use refract_schemas::{Checkpoint, Position};
 
 use crate::pg_connect::{PgConnectError, PgEndpoint};
 use crate::sinks::documents::{Keyed, segments};
+use crate::{Intake, RejectedOp, Sink, SinkBatch, SinkError, WriteReport};
 
 mod privileges;
-use crate::{Intake, RejectedOp, Sink, SinkBatch, SinkError, WriteReport};
 
 /// What the PostgreSQL sink accepts: documents.
 type Accepted<'a> = &'a DocumentOp;
