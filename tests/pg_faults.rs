@@ -66,39 +66,9 @@ fn pipeline(
     also: &[&str],
     extra_sinks: &str,
 ) -> PathBuf {
-    let sinks: Vec<String> = std::iter::once("docs")
-        .chain(also.iter().copied())
-        .map(|s| format!("\"{s}\""))
-        .collect();
-    let text = format!(
-        r#"[pipeline]
-name = "{name}"
-state_dir = "{state}"
-
-[pipeline.batch]
-max_events = 300
-max_delay_ms = 50
-
-[source]
-kind = "postgres"
-url = "{url}"
-tables = ["public.{name}"]
-
-[projections.replica]
-kind = "replica"
-sinks = [{sinks}]
-
-[sinks.docs]
-kind = "object_json"
-url = "file://{out}"
-{extra_sinks}"#,
-        state = dir.join("state").display(),
-        out = out.display(),
-        sinks = sinks.join(", "),
-    );
-    let path = dir.join("pipeline.toml");
-    std::fs::write(&path, text).unwrap();
-    path
+    let sinks: Vec<&str> = std::iter::once("docs").chain(also.iter().copied()).collect();
+    let toml = common::pg::object_json_sink("docs", out) + extra_sinks;
+    common::pg::replica_pipeline(dir, name, url, "", &sinks, &toml)
 }
 
 /// The daemon, its log in `log`.

@@ -37,36 +37,8 @@ fn pipeline_file_with(
     out: &Path,
     source_extra: &str,
 ) -> std::path::PathBuf {
-    let text = format!(
-        r#"[pipeline]
-name = "{name}"
-state_dir = "{state}"
-
-[pipeline.batch]
-max_events = 300
-max_delay_ms = 50
-
-[source]
-kind = "postgres"
-url = "{url}"
-tables = ["public.{name}"]
-{source_extra}
-
-[projections.replica]
-kind = "replica"
-sinks = ["docs"]
-
-[sinks.docs]
-kind = "object_json"
-url = "file://{out}"
-"#,
-        state = dir.join("state").display(),
-        url = pg_url(),
-        out = out.display()
-    );
-    let path = dir.join("pipeline.toml");
-    std::fs::write(&path, text).unwrap();
-    path
+    let sink = common::pg::object_json_sink("docs", out);
+    common::pg::replica_pipeline(dir, name, &pg_url(), source_extra, &["docs"], &sink)
 }
 
 fn catch_up(pipeline: &Path) {

@@ -27,34 +27,8 @@ fn with_password(url: &str) -> String {
 /// A pipeline replicating table `name` into the PostgreSQL sink (schema `{name}_rm`), the
 /// source and the sink at the URLs given.
 fn pipeline_file(dir: &Path, name: &str, source_url: &str, sink_url: &str) -> PathBuf {
-    let text = format!(
-        r#"[pipeline]
-name = "{name}"
-state_dir = "{state}"
-
-[pipeline.batch]
-max_events = 300
-max_delay_ms = 50
-
-[source]
-kind = "postgres"
-url = "{source_url}"
-tables = ["public.{name}"]
-
-[projections.replica]
-kind = "replica"
-sinks = ["pg"]
-
-[sinks.pg]
-kind = "postgres"
-url = "{sink_url}"
-schema = "{name}_rm"
-"#,
-        state = dir.join("state").display(),
-    );
-    let path = dir.join("pipeline.toml");
-    std::fs::write(&path, text).unwrap();
-    path
+    let sink = format!("[sinks.pg]\nkind = \"postgres\"\nurl = \"{sink_url}\"\nschema = \"{name}_rm\"\n");
+    common::pg::replica_pipeline(dir, name, source_url, "", &["pg"], &sink)
 }
 
 /// The sink's documents of table `name`, keyed as [`table_state`] keys the source's rows.

@@ -432,6 +432,53 @@ pub mod pg {
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/refract".into())
     }
 
+    /// A pipeline file in `dir` replicating table `public.{name}` from the PostgreSQL source at
+    /// `source_url` (`source_extra`: further lines of `[source]`) through one replica
+    /// projection into the sinks `sink_names`, whose `[sinks.NAME]` tables `sinks_toml` holds.
+    /// Small batches (300 events, 50 ms), so that a test of a few thousand rows crosses many.
+    pub fn replica_pipeline(
+        dir: &Path,
+        name: &str,
+        source_url: &str,
+        source_extra: &str,
+        sink_names: &[&str],
+        sinks_toml: &str,
+    ) -> std::path::PathBuf {
+        let sinks: Vec<String> = sink_names.iter().map(|s| format!("\"{s}\"")).collect();
+        let text = format!(
+            r#"[pipeline]
+name = "{name}"
+state_dir = "{state}"
+
+[pipeline.batch]
+max_events = 300
+max_delay_ms = 50
+
+[source]
+kind = "postgres"
+url = "{source_url}"
+tables = ["public.{name}"]
+{source_extra}
+
+[projections.replica]
+kind = "replica"
+sinks = [{sinks}]
+
+{sinks_toml}
+"#,
+            state = dir.join("state").display(),
+            sinks = sinks.join(", "),
+        );
+        let path = dir.join("pipeline.toml");
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    /// The `[sinks.NAME]` table of an `object_json` sink writing under directory `out`.
+    pub fn object_json_sink(sink: &str, out: &Path) -> String {
+        format!("[sinks.{sink}]\nkind = \"object_json\"\nurl = \"file://{}\"\n", out.display())
+    }
+
     /// Runs SQL through psql, failing the test on error; returns psql's unaligned output.
     pub fn psql(sql: &str) -> String {
         let out = Command::new("psql")
