@@ -9,7 +9,7 @@
 # (target >= 0.6x) and both peak RSS.
 #
 # Usage: benches/kafka_consume.sh [EVENTS] [json] [avro]
-#        (default 1,000,000, 100,000 with CI=true; both formats; ROUNDS rounds, default 3)
+#        (default 1,000,000, 100,000 with CI=true; both formats; ROUNDS rounds, default 5; the median round of each side is compared)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${CI:-}" = true ]; then default=100000; else default=1000000; fi
