@@ -11,7 +11,7 @@ use refract_connectors::{Source, SourceItem};
 use refract_projections::{Emission, Projection, ProjectionError, WriteOp};
 use refract_schemas::config::OnError;
 use refract_schemas::event::TxStatus;
-use refract_schemas::{ChangeEvent, Checkpoint, Position, Record};
+use refract_schemas::{ChangeEvent, Checkpoint, Offset, Position, Record};
 use tokio::sync::{mpsc, watch};
 
 use super::batch::{Batch, BatchLimits, route_ops};
@@ -78,6 +78,7 @@ impl Processor {
         source: &mut dyn Source,
         mut shutdown: watch::Receiver<bool>,
     ) -> Result<bool, RunError> {
+        self.emit_left_marks().await?;
         let mut stopping = false;
         let mut last_progress = Instant::now();
         loop {
@@ -318,6 +319,36 @@ impl Processor {
         Ok(())
     }
 
+    /// Emits, before anything is read, what the projections' state still marks from a
+    /// transaction the checkpoint ends inside: an initial snapshot (one transaction) stopped or
+    /// killed before its end was durable. The source does not hand that end out again, so
+    /// without this the documents would wait for the next change however long the source stays
+    /// idle. The emission is tagged just past the checkpoint ([`Processor::send_batch`] with an
+    /// emitting position): a crash before it is durable undoes it, and the next start emits
+    /// again.
+    async fn emit_left_marks(&mut self) -> Result<(), RunError> {
+        if self.keyed.is_none() {
+            return Ok(());
+        }
+        let position = self
+            .durable
+            .borrow()
+            .iter()
+            .max_by_key(|(_, offset)| **offset)
+            .map(|(partition, offset)| Position {
+                partition: partition.as_str().into(),
+                offset: just_after(*offset),
+            });
+        let Some(position) = position else {
+            return Ok(());
+        };
+        self.end_transaction(&position).await?;
+        if !self.batch.is_empty() {
+            tracing::info!(position = %position, "documents an interrupted transaction marked, emitted before reading on");
+        }
+        self.send_batch(Some(&position)).await
+    }
+
     /// Bad input: into the batch's dead letters, or the error that stops the run
     /// (`on_error`).
     fn reject(&mut self, letter: DeadLetter) -> Result<(), RunError> {
@@ -352,6 +383,15 @@ fn transaction_end(item: &SourceItem) -> Option<Position> {
     match &item.record {
         Ok(Record::Transaction(t)) if t.status == TxStatus::End => Some(t.position.clone()),
         _ => None,
+    }
+}
+
+/// The least offset after `offset`: the next sequence number in its unit, or the next unit's
+/// first after a transaction's end (which takes the greatest sequence number).
+fn just_after(offset: Offset) -> Offset {
+    match offset.1.checked_add(1) {
+        Some(seq) => Offset(offset.0, seq),
+        None => Offset(offset.0.saturating_add(1), 0),
     }
 }
 

@@ -514,3 +514,50 @@ async fn a_failure_in_the_middle_of_a_transaction_s_documents_keeps_the_checkpoi
     assert_eq!(final_values(&all), final_expected(&steps));
     assert_eq!(pipeline.committed(), through(steps.len() as u64));
 }
+
+/// A source that ends inside a transaction (an initial snapshot stopped or killed before its
+/// END, which it does not hand out again): the documents the transaction marked are written by
+/// the next run before it reads anything, even when nothing more comes; if that write fails,
+/// the run after writes them.
+#[tokio::test(start_paused = true)]
+async fn documents_a_transaction_cut_short_marked_are_written_at_the_next_start() {
+    let pipeline = Pipeline::new(Settings {
+        max_events: 2,
+        documents: true,
+        ..Settings::default()
+    });
+    let mut steps = puts(4, 4);
+    steps.push(Step::Begin);
+    steps.extend((0..10).map(|i| Step::Put(100 + i, i)));
+    let (source, _log) = MemorySource::new(items(&steps), 5);
+    let (sink, first) = MemorySink::new();
+    let run = pipeline.start(source, vec![("a", Box::new(sink))], ReadMode::UntilCaughtUp);
+    run.finish().await.expect("the first run succeeds");
+    // Its rows are read and checkpointed; the transaction never ended, so no document of it
+    // was written.
+    assert_eq!(pipeline.committed(), through(steps.len() as u64));
+    let mut all = first.lock().unwrap().clone();
+    assert_eq!(final_values(&all), final_expected(&steps[..4]));
+
+    // The next run has nothing to read: it writes them first. Its one batch fails for good,
+    // so the run after writes them again.
+    let (source, _log) = MemorySource::new(Vec::new(), 5);
+    let (sink, failed) = MemorySink::new();
+    let faults = Faults::new();
+    faults.plan(1, Fault::Permanent);
+    let sinks: Vec<(&str, Box<dyn refract_connectors::Sink>)> =
+        vec![("a", Box::new(FaultySink::new("a", sink, faults.clone())))];
+    let run = pipeline.start(source, sinks, ReadMode::UntilCaughtUp);
+    run.finish()
+        .await
+        .expect_err("the write of the marked documents fails");
+    assert!(failed.lock().unwrap().is_empty());
+
+    let (source, _log) = MemorySource::new(Vec::new(), 5);
+    let (sink, rerun) = MemorySink::new();
+    let run = pipeline.start(source, vec![("a", Box::new(sink))], ReadMode::UntilCaughtUp);
+    run.finish().await.expect("the third run succeeds");
+    all.extend(rerun.lock().unwrap().iter().cloned());
+    assert_eq!(final_values(&all), final_expected(&steps));
+    assert_eq!(pipeline.committed(), through(steps.len() as u64));
+}

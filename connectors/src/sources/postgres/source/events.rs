@@ -17,6 +17,8 @@ impl Reader {
         use futures::StreamExt as _;
         let started = Instant::now();
         let mut total = 0u64;
+        // Whether the BEGIN that frames the rows was handed out (before the first row).
+        let mut framed = false;
         for index in 0..copy.tables.len() {
             let t = copy.tables[index].clone();
             let mut table = match t.table.split_once('.') {
@@ -55,6 +57,11 @@ impl Reader {
                     start += n + 1;
                     row += 1;
                     let seq = CopySnapshot::seq(index, row);
+                    if !framed {
+                        // Just before the first row (`seq - 1` is no row's position).
+                        self.copy_marker(TxStatus::Begin, Offset(copy.lsn, seq - 1), 0);
+                        framed = true;
+                    }
                     let position = Position {
                         partition: self.partition.clone(),
                         offset: Offset(copy.lsn, seq),
@@ -112,6 +119,11 @@ impl Reader {
                 .rows
                 .fetch_add(row - counted, Ordering::Relaxed);
             if index + 1 == copy.tables.len() {
+                if framed {
+                    // Past the last row; the rows of every later change come after it.
+                    let end = Offset(copy.lsn, CopySnapshot::seq(index, row + 1));
+                    self.copy_marker(TxStatus::End, end, total + row);
+                }
                 self.flush_ending(out).await?;
             } else {
                 self.flush(out).await?;
@@ -127,6 +139,31 @@ impl Reader {
             copy.kind.label()
         );
         Ok(true)
+    }
+
+    /// A BEGIN or END framing the rows of an exported snapshot: they are one consistent unit,
+    /// as a transaction is, so a projection that emits per transaction (documents) builds each
+    /// document once, at the end of the load, instead of after every batch that reached it. A
+    /// read stopped or killed before its END leaves the marks to the next start (the runtime
+    /// emits what a transaction the checkpoint ends inside left marked).
+    fn copy_marker(&mut self, status: TxStatus, offset: Offset, rows: u64) {
+        if !self.keep(offset) {
+            return;
+        }
+        let boundary = TxBoundary {
+            status,
+            id: format!("snapshot@{}", offset.0),
+            event_count: (status == TxStatus::End).then_some(rows),
+            ts_ms: None,
+            position: Position {
+                partition: self.partition.clone(),
+                offset,
+            },
+        };
+        self.chunk.push(SourceItem {
+            record: Ok(Record::Transaction(boundary)),
+            raw: Bytes::new(),
+        });
     }
 
     /// Hands out one row read from a table (snapshot or backfill) as a read event; `shape`
