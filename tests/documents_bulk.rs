@@ -224,7 +224,8 @@ fn a_bootstrap_killed_again_and_again_ends_equal_to_the_tables() {
     let mut rng = Rng::new(27);
     let (mut landed, mut lives) = (0, 0);
     // Each life starts or resumes the load and is SIGKILLed at a random moment; a kill that
-    // leaves books without their document landed during the load. Until one leaves them all.
+    // leaves books without their document landed during the bootstrap (the first ones may
+    // land before the COPY began: the snapshot is due then too). Until one leaves them all.
     loop {
         lives += 1;
         assert!(lives <= 100, "the load did not complete in {lives} lives");
@@ -258,9 +259,11 @@ fn a_bootstrap_killed_while_it_writes_its_documents_writes_them_all_at_the_next_
     seed(schema, books);
     let dir = tempfile::tempdir().unwrap();
     let pipeline = bulk_pipeline(dir.path(), schema);
-    // The documents leave when the load ends, in batches of 4 x MAX_EVENTS: killed between
-    // two of them, the load's rows are durable and its end is not. Nothing changes in the
-    // tables afterwards, so the next start has no later transaction to write them with.
+    // The documents leave when the load ends, in batches of 4 x MAX_EVENTS. Killed between
+    // two of them, the END that frames the load is not durable (a batch cut inside an emission
+    // does not move the checkpoint): the next start reads the rest again in chunks, whose own
+    // transactions end what the load marked. Nothing changes in the tables afterwards, so no
+    // later change writes them instead.
     let written = format!("SELECT count(*) FROM {schema}_rm.book_docs");
     for attempt in 1..=ATTEMPTS {
         if kill_during_emission(&pipeline, "", &written, books) {

@@ -66,7 +66,9 @@ fn pipeline(
     also: &[&str],
     extra_sinks: &str,
 ) -> PathBuf {
-    let sinks: Vec<&str> = std::iter::once("docs").chain(also.iter().copied()).collect();
+    let sinks: Vec<&str> = std::iter::once("docs")
+        .chain(also.iter().copied())
+        .collect();
     let toml = common::pg::object_json_sink("docs", out) + extra_sinks;
     common::pg::replica_pipeline(dir, name, url, "", &sinks, &toml)
 }

@@ -27,7 +27,8 @@ fn with_password(url: &str) -> String {
 /// A pipeline replicating table `name` into the PostgreSQL sink (schema `{name}_rm`), the
 /// source and the sink at the URLs given.
 fn pipeline_file(dir: &Path, name: &str, source_url: &str, sink_url: &str) -> PathBuf {
-    let sink = format!("[sinks.pg]\nkind = \"postgres\"\nurl = \"{sink_url}\"\nschema = \"{name}_rm\"\n");
+    let sink =
+        format!("[sinks.pg]\nkind = \"postgres\"\nurl = \"{sink_url}\"\nschema = \"{name}_rm\"\n");
     common::pg::replica_pipeline(dir, name, source_url, "", &["pg"], &sink)
 }
 

@@ -476,7 +476,10 @@ sinks = [{sinks}]
 
     /// The `[sinks.NAME]` table of an `object_json` sink writing under directory `out`.
     pub fn object_json_sink(sink: &str, out: &Path) -> String {
-        format!("[sinks.{sink}]\nkind = \"object_json\"\nurl = \"file://{}\"\n", out.display())
+        format!(
+            "[sinks.{sink}]\nkind = \"object_json\"\nurl = \"file://{}\"\n",
+            out.display()
+        )
     }
 
     /// Runs SQL through psql, failing the test on error; returns psql's unaligned output.

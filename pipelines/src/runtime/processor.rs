@@ -289,9 +289,11 @@ impl Processor {
     /// [`BatchLimits::emission_room`]; a full batch is cut between two chunks as part of the
     /// emission ([`Processor::send_batch`]), so memory stays bounded however many documents the
     /// transaction reaches.
-    pub(super) async fn end_transaction(&mut self, position: &Position) -> Result<(), RunError> {
+    /// Returns how many operations the projections emitted.
+    pub(super) async fn end_transaction(&mut self, position: &Position) -> Result<usize, RunError> {
+        let mut emitted = 0;
         if self.keyed.is_none() {
-            return Ok(());
+            return Ok(emitted);
         }
         for r in 0..self.routes.len() {
             loop {
@@ -306,6 +308,7 @@ impl Processor {
                     .projection
                     .end_transaction(position, room, &mut self.scratch);
                 self.batch.emitted += self.scratch.len();
+                emitted += self.scratch.len();
                 route_ops(&mut self.batch.ops, &route.sinks, &mut self.scratch);
                 let emission = result.map_err(|e| RunError::ProjectionState {
                     projection: route.name.clone(),
@@ -316,35 +319,37 @@ impl Processor {
                 }
             }
         }
-        Ok(())
+        Ok(emitted)
     }
 
     /// Emits, before anything is read, what the projections' state still marks from a
-    /// transaction the checkpoint ends inside: an initial snapshot (one transaction) stopped or
-    /// killed before its end was durable. The source does not hand that end out again, so
-    /// without this the documents would wait for the next change however long the source stays
-    /// idle. The emission is tagged just past the checkpoint ([`Processor::send_batch`] with an
-    /// emitting position): a crash before it is durable undoes it, and the next start emits
-    /// again.
+    /// transaction the checkpoint ends inside, for a source that will not hand out that
+    /// transaction's end again. The PostgreSQL source reads again the last table of a snapshot
+    /// whose framing END was not durable (its chunks end the marks' transaction); this is the
+    /// net under what that misses (an empty last table), so documents never wait for the next
+    /// change. A transaction the stream replays is emitted at its first batch's end anyway, so
+    /// this only comes first. The emission is tagged just past the checkpoint
+    /// ([`Processor::send_batch`] with an emitting position): a crash before it is durable
+    /// undoes it and the next start emits again. Only for a checkpoint of one partition (a
+    /// position past one partition says nothing of another's).
     async fn emit_left_marks(&mut self) -> Result<(), RunError> {
         if self.keyed.is_none() {
             return Ok(());
         }
-        let position = self
-            .durable
-            .borrow()
-            .iter()
-            .max_by_key(|(_, offset)| **offset)
-            .map(|(partition, offset)| Position {
-                partition: partition.as_str().into(),
-                offset: just_after(*offset),
-            });
-        let Some(position) = position else {
-            return Ok(());
+        let position = {
+            let durable = self.durable.borrow();
+            let mut partitions = durable.iter();
+            match (partitions.next(), partitions.next()) {
+                (Some((partition, offset)), None) => Position {
+                    partition: partition.as_str().into(),
+                    offset: just_after(*offset),
+                },
+                _ => return Ok(()),
+            }
         };
-        self.end_transaction(&position).await?;
-        if !self.batch.is_empty() {
-            tracing::info!(position = %position, "documents an interrupted transaction marked, emitted before reading on");
+        let emitted = self.end_transaction(&position).await?;
+        if emitted > 0 {
+            tracing::info!(position = %position, documents = emitted, "documents an interrupted transaction marked, written before reading on");
         }
         self.send_batch(Some(&position)).await
     }

@@ -87,6 +87,11 @@ struct CopyState {
     /// The `refract backfill` request a running daemon reads this for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     request: Option<String>,
+    /// The sequence of the END that frames the rows as one transaction, once it is handed out
+    /// (noted just before): until it is durable the read is not complete, though every row may
+    /// be (see [`resume_copy_kind`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    frame_end: Option<u64>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -211,6 +216,12 @@ impl CopySnapshot {
         write_quick(&self.path, &self.state)
     }
 
+    /// Notes that the END framing the rows goes out at sequence `seq` (before it does).
+    pub fn frame_end(&mut self, seq: u64) -> Result<(), SourceError> {
+        self.state.frame_end = Some(seq);
+        write_quick(&self.path, &self.state)
+    }
+
     /// Whether a row sequence is a note point.
     pub fn is_mark(row: u64) -> bool {
         row.is_multiple_of(COPY_MARK_ROWS)
@@ -299,6 +310,7 @@ async fn plan_copy(
         scope,
         tables: Vec::new(),
         request,
+        frame_end: None,
     };
     for mut plan in planned {
         let note = |skipped: Option<String>, estimate: u64| CopyTableState {
@@ -503,8 +515,16 @@ pub fn resume_copy_kind(
         Some(refract_schemas::Offset(lsn, seq)) if lsn == copy.lsn => seq,
         _ => 0,
     };
+    // The END framing the rows went out and is not durable (killed while the documents of the
+    // load were written): the table read last is read again from its last durable note, in
+    // chunks whose own transactions end, so what the rows left marked is written.
+    let open_frame = !all_durable && copy.frame_end.is_some_and(|end| durable_seq < end);
+    let read_last = copy
+        .tables
+        .iter()
+        .rposition(|t| t.skipped.is_none() && !t.done);
     let mut index = 0usize;
-    for t in copy.tables {
+    for (position, t) in copy.tables.into_iter().enumerate() {
         if t.skipped.is_some() || t.done {
             state.tables.push(TableState {
                 table: t.table,
@@ -519,7 +539,8 @@ pub fn resume_copy_kind(
         let first = CopySnapshot::seq(index, 0);
         index += 1;
         // All rows handed out and durable (or there were none).
-        let done = all_durable || t.end.is_some_and(|end| end == first || durable_seq >= end);
+        let done = (all_durable || t.end.is_some_and(|end| end == first || durable_seq >= end))
+            && !(open_frame && read_last == Some(position));
         let mark = t
             .marks
             .iter()
@@ -758,6 +779,7 @@ mod tests {
                 table("public.b", vec![]),
             ],
             request: Some("r1".into()),
+            frame_end: None,
         };
         let kind = CopyKind::Backfill;
         persist(&kind.notes_path(dir.path()), &notes).unwrap();
@@ -780,6 +802,71 @@ mod tests {
             (state.tables[1].rows, state.tables[1].after.as_ref()),
             (0, None)
         );
+    }
+
+    #[test]
+    fn rows_durable_without_the_end_that_frames_them_read_the_last_table_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let lsn = 7_000;
+        let table =
+            |name: &str, rows: u64, marks: Vec<(u64, Vec<String>)>, index: usize| CopyTableState {
+                table: name.into(),
+                marks,
+                end: Some(CopySnapshot::seq(index, rows)),
+                skipped: None,
+                after: None,
+                base_rows: 0,
+                done: false,
+                estimate: rows,
+            };
+        let (a, b) = (CopySnapshot::seq(0, 0), CopySnapshot::seq(1, 0));
+        let notes = |frame_end| CopyState {
+            lsn,
+            scope: vec![],
+            tables: vec![
+                table("public.a", 5, vec![], 0),
+                table(
+                    "public.b",
+                    25_000,
+                    vec![(b + 10_000, vec!["k10000".into()])],
+                    1,
+                ),
+            ],
+            request: None,
+            frame_end,
+        };
+        let kind = CopyKind::Snapshot;
+        let last_row = refract_schemas::Offset(lsn, b + 25_000);
+        let frame_end = CopySnapshot::seq(1, 25_001);
+        let resumed = |notes: &CopyState, durable| {
+            persist(&kind.notes_path(dir.path()), notes).unwrap();
+            resume_copy_kind(kind, dir.path(), Some(durable)).unwrap();
+            let state: State = super::super::load(&kind.progress_path(dir.path()))
+                .unwrap()
+                .unwrap();
+            let t = |i: usize| {
+                let t = &state.tables[i];
+                (t.done, t.rows, t.after.clone())
+            };
+            (state.complete, t(0), t(1))
+        };
+        // Every row durable, the END that frames them not: the last table again from its note.
+        let after = Some(vec!["k10000".to_owned()]);
+        assert_eq!(
+            resumed(&notes(Some(frame_end)), last_row),
+            (false, (true, 5, None), (false, 10_000, after))
+        );
+        // With the END durable, or without an END (an older read), complete.
+        let end = refract_schemas::Offset(lsn, frame_end);
+        assert_eq!(
+            resumed(&notes(Some(frame_end)), end),
+            (true, (true, 5, None), (true, 25_000, None))
+        );
+        assert_eq!(
+            resumed(&notes(None), last_row),
+            (true, (true, 5, None), (true, 25_000, None))
+        );
+        assert!(a < b);
     }
 
     #[test]

@@ -120,8 +120,11 @@ impl Reader {
                 .fetch_add(row - counted, Ordering::Relaxed);
             if index + 1 == copy.tables.len() {
                 if framed {
-                    // Past the last row; the rows of every later change come after it.
+                    // Past the last row; the rows of every later change come after it. Noted
+                    // first: a restart that finds it not durable reads the last table's tail
+                    // again, whose chunks end the marks' transaction.
                     let end = Offset(copy.lsn, CopySnapshot::seq(index, row + 1));
+                    copy.frame_end(end.1)?;
                     self.copy_marker(TxStatus::End, end, total + row);
                 }
                 self.flush_ending(out).await?;
@@ -144,8 +147,8 @@ impl Reader {
     /// A BEGIN or END framing the rows of an exported snapshot: they are one consistent unit,
     /// as a transaction is, so a projection that emits per transaction (documents) builds each
     /// document once, at the end of the load, instead of after every batch that reached it. A
-    /// read stopped or killed before its END leaves the marks to the next start (the runtime
-    /// emits what a transaction the checkpoint ends inside left marked).
+    /// read stopped or killed before its END is durable is finished in chunks at the next start
+    /// (the last table at least: [`snapshot::resume_copy_kind`]), and those end what it marked.
     fn copy_marker(&mut self, status: TxStatus, offset: Offset, rows: u64) {
         if !self.keep(offset) {
             return;
