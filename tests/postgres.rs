@@ -703,6 +703,7 @@ fn a_snapshot_chunk_gives_way_to_an_application_locking_rows_in_another_order() 
     );
     catch_up(&pipeline);
     assert_read_model(&table_state(name), &out, "after the snapshot");
+    drop_slot(name);
 }
 
 #[test]
