@@ -95,7 +95,9 @@ for round in 1 2; do
             sku = CASE WHEN id % 10 = $pass % 10 THEN 'SKU-' || lpad(id::text, 8, '0') || '-$round-$pass' ELSE sku END"
     done
     sql "VACUUM products"
-    endpos=$(sql "SELECT pg_current_wal_lsn()")
+    # The insert position: with asynchronous commit the write position may still be short of
+    # the last commits, and pg_recvlogical would stop before them.
+    endpos=$(sql "SELECT pg_current_wal_insert_lsn()")
     if [ "$round" = 1 ]; then drain_recv "$endpos"; drain_refract; else drain_refract; drain_recv "$endpos"; fi
     echo "  refract $(tail -1 "$work/refract.secs" | xargs printf '%.2f')s, pg_recvlogical $(tail -1 "$work/recv.secs" | xargs printf '%.2f')s"
 done
