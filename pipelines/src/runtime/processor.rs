@@ -288,8 +288,7 @@ impl Processor {
     /// (documents the transaction touched), in chunks that fill the batch up to
     /// [`BatchLimits::emission_room`]; a full batch is cut between two chunks as part of the
     /// emission ([`Processor::send_batch`]), so memory stays bounded however many documents the
-    /// transaction reaches.
-    /// Returns how many operations the projections emitted.
+    /// transaction reaches. Returns how many operations the projections emitted.
     pub(super) async fn end_transaction(&mut self, position: &Position) -> Result<usize, RunError> {
         let mut emitted = 0;
         if self.keyed.is_none() {
