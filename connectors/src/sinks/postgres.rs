@@ -596,8 +596,10 @@ async fn create_missing(
 /// Runs `create` (`CREATE … IF NOT EXISTS`) in a savepoint. Two processes creating the same
 /// object at once (the members of a scaled-out pipeline opening together) both pass `IF NOT
 /// EXISTS`; the second then fails on the catalog's unique index (23505) or finds the object
-/// (42P07, 42P06) once the first commits. The object exists then, which is all that was asked:
-/// that failure is rolled back to the savepoint and the transaction goes on.
+/// (42P07, 42P06) once the first commits, or, for a table, finds its row type first (42710,
+/// `type "items" already exists`: seen in the server log of a failed run of
+/// `tests/pg_sink.rs`). The object exists then, which is all that was asked: that failure is
+/// rolled back to the savepoint and the transaction goes on.
 async fn create_racing(
     tx: &tokio_postgres::Transaction<'_>,
     create: &str,
@@ -612,6 +614,7 @@ async fn create_racing(
                     SqlState::UNIQUE_VIOLATION,
                     SqlState::DUPLICATE_TABLE,
                     SqlState::DUPLICATE_SCHEMA,
+                    SqlState::DUPLICATE_OBJECT,
                 ]
                 .contains(c)
             }) =>
