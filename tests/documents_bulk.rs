@@ -71,6 +71,15 @@ fn count(client: &mut postgres::Client, sql: &str) -> u64 {
     }
 }
 
+/// A fresh schema `schema` seeded with `books` books (dropped with its slot when the guard
+/// goes), and a directory for the pipeline's file and state.
+fn seeded(schema: &str, books: u64) -> (Cleanup, tempfile::TempDir) {
+    let cleanup = Cleanup::new(schema, &[]);
+    fresh_schema(schema);
+    seed(schema, books);
+    (cleanup, tempfile::tempdir().unwrap())
+}
+
 /// Runs the daemon, commits `change` (one transaction), SIGKILLs the daemon once `written` (a
 /// count of documents showing the change) is above zero and below `books`; returns whether
 /// the kill landed there (false: the emission ended between two looks).
@@ -134,10 +143,7 @@ fn survives_a_kill_during_emission(
 fn a_transaction_s_documents_survive_a_sigkill_in_the_middle_of_their_emission() {
     let schema = "docs_bulk";
     let books = books();
-    let _cleanup = Cleanup::new(schema, &[]);
-    fresh_schema(schema);
-    seed(schema, books);
-    let dir = tempfile::tempdir().unwrap();
+    let (_cleanup, dir) = seeded(schema, books);
     let pipeline = bulk_pipeline(dir.path(), schema);
     catch_up(&pipeline);
     let (code, report) = verify(&pipeline);
@@ -173,10 +179,7 @@ fn documents(books: u64) -> u64 {
 fn the_initial_snapshot_writes_each_document_once() {
     let schema = "docs_boot_once";
     let books = books();
-    let _cleanup = Cleanup::new(schema, &[]);
-    fresh_schema(schema);
-    seed(schema, books);
-    let dir = tempfile::tempdir().unwrap();
+    let (_cleanup, dir) = seeded(schema, books);
     let pipeline = bulk_pipeline(dir.path(), schema);
     let summary = dir.path().join("summary.json");
     let out = output(
@@ -212,10 +215,7 @@ fn a_bootstrap_killed_again_and_again_ends_equal_to_the_tables() {
     // Enough rows that the load outlasts several short lives of the daemon.
     let books = books() * 15;
     let kills = if in_ci() { 5 } else { 10 };
-    let _cleanup = Cleanup::new(schema, &[]);
-    fresh_schema(schema);
-    seed(schema, books);
-    let dir = tempfile::tempdir().unwrap();
+    let (_cleanup, dir) = seeded(schema, books);
     // The shipped batch limits: with tiny batches a resumed chunk's documents take longer to
     // write than a life lasts, and the load would never get past it.
     let pipeline = pipeline_file(dir.path(), schema);
@@ -254,10 +254,7 @@ fn a_bootstrap_killed_again_and_again_ends_equal_to_the_tables() {
 fn a_bootstrap_killed_while_it_writes_its_documents_writes_them_all_at_the_next_start() {
     let schema = "docs_boot_emit";
     let books = books();
-    let _cleanup = Cleanup::new(schema, &[]);
-    fresh_schema(schema);
-    seed(schema, books);
-    let dir = tempfile::tempdir().unwrap();
+    let (_cleanup, dir) = seeded(schema, books);
     let pipeline = bulk_pipeline(dir.path(), schema);
     // The documents leave when the load ends, in batches of 4 x MAX_EVENTS. Killed between
     // two of them, the END that frames the load is not durable (a batch cut inside an emission

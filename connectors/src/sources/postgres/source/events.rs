@@ -150,23 +150,7 @@ impl Reader {
     /// read stopped or killed before its END is durable is finished in chunks at the next start
     /// (the last table at least: [`snapshot::resume_copy_kind`]), and those end what it marked.
     fn copy_marker(&mut self, status: TxStatus, offset: Offset, rows: u64) {
-        if !self.keep(offset) {
-            return;
-        }
-        let boundary = TxBoundary {
-            status,
-            id: format!("snapshot@{}", offset.0),
-            event_count: (status == TxStatus::End).then_some(rows),
-            ts_ms: None,
-            position: Position {
-                partition: self.partition.clone(),
-                offset,
-            },
-        };
-        self.chunk.push(SourceItem {
-            record: Ok(Record::Transaction(boundary)),
-            raw: Bytes::new(),
-        });
+        self.push_boundary(status, offset, format!("snapshot@{}", offset.0), rows, None);
     }
 
     /// Hands out one row read from a table (snapshot or backfill) as a read event; `shape`
@@ -270,14 +254,27 @@ impl Reader {
     }
 
     pub(super) fn marker(&mut self, status: TxStatus, offset: Offset, tx: &OpenTx) {
+        let (id, events, commit_ms) = (tx.xid.to_string(), tx.seq, tx.commit_ms);
+        self.push_boundary(status, offset, id, events, Some(commit_ms));
+    }
+
+    /// Hands out a BEGIN or END at `offset` (an END counts `events`), unless it is skipped.
+    fn push_boundary(
+        &mut self,
+        status: TxStatus,
+        offset: Offset,
+        id: String,
+        events: u64,
+        ts_ms: Option<i64>,
+    ) {
         if !self.keep(offset) {
             return;
         }
         let boundary = TxBoundary {
             status,
-            id: tx.xid.to_string(),
-            event_count: (status == TxStatus::End).then_some(tx.seq),
-            ts_ms: Some(tx.commit_ms),
+            id,
+            event_count: (status == TxStatus::End).then_some(events),
+            ts_ms,
             position: Position {
                 partition: self.partition.clone(),
                 offset,
