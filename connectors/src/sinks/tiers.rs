@@ -1,9 +1,10 @@
 //! `kind = "tiers"`: heartbeats into the hot (Redis), warm (PostgreSQL) and cold (Parquet) tiers
 //! a `tiers` projection routed them to. The layouts are in [`crate::tiers`].
 //!
-//! A batch is applied to warm (one transaction) then cold (late heartbeats merged into their
-//! device's day under the cold lock), and meanwhile to hot (pipelined): the stores are
-//! independent, so the batch takes the longer of the two paths, not their sum. Every step is
+//! A batch is applied to the three stores at once: warm (one transaction), cold (late heartbeats
+//! merged into their device's day under the cold lock, taken on a connection of its own) and hot
+//! (pipelined). The stores are independent, so the batch takes the longest of the three, not
+//! their sum. Every step is
 //! idempotent, so a failure anywhere fails the batch, which the runtime retries whole: a Redis
 //! outage or a PostgreSQL restart delays the tiers and loses nothing. Batches follow one another,
 //! so a heartbeat's writes keep their order in every tier.
@@ -48,7 +49,7 @@ pub struct TiersSink {
     layout: Option<TierLayout>,
     redis: Option<Connector>,
     warm: Option<tokio_postgres::Client>,
-    cold: Option<(Arc<dyn ObjectStore>, Path)>,
+    cold: Option<ColdTier>,
     /// Hours whose warm partition is known to exist.
     partitions: BTreeSet<i64>,
     /// Batches still to write with the upsert rather than COPY (see
@@ -106,8 +107,13 @@ impl TiersSink {
             self.redis = Some(Connector::single(client));
         }
         if self.cold.is_none() {
-            self.cold =
-                Some(crate::tiers::open_cold(&layout).map_err(|e| self.permanent(e.to_string()))?);
+            let (store, root) =
+                crate::tiers::open_cold(&layout).map_err(|e| self.permanent(e.to_string()))?;
+            self.cold = Some(ColdTier {
+                store,
+                root,
+                lock: None,
+            });
         }
         if self.warm.as_ref().is_none_or(|c| c.is_closed()) {
             self.partitions.clear();
@@ -188,9 +194,25 @@ impl TiersSink {
         }
         Err(self.permanent("warm tier: a partition kept disappearing".into()))
     }
+}
 
-    /// Merges the batch's cold heartbeats into the late files of their devices' days.
-    async fn write_cold(&mut self, ops: &[&TierWrite]) -> Result<(), SinkError> {
+/// The cold tier: its object store and root, and the connection that holds the cold lock while
+/// a batch writes (its own, so that cold is written while the warm transaction runs).
+struct ColdTier {
+    store: Arc<dyn ObjectStore>,
+    root: Path,
+    lock: Option<tokio_postgres::Client>,
+}
+
+impl ColdTier {
+    /// Merges the batch's cold heartbeats into the late files of their devices' days, under the
+    /// cold lock that aging takes too.
+    async fn write(
+        &mut self,
+        sink: &str,
+        layout: &TierLayout,
+        ops: &[&TierWrite],
+    ) -> Result<(), SinkError> {
         let mut days: BTreeMap<(&str, String), Vec<&Heartbeat>> = BTreeMap::new();
         for op in ops
             .iter()
@@ -204,41 +226,93 @@ impl TiersSink {
         if days.is_empty() {
             return Ok(());
         }
-        let layout = self.layout()?.clone();
-        let (store, root) = self
-            .cold
-            .clone()
-            .ok_or_else(|| SinkError::not_open("tiers"))?;
-        let client = self
-            .warm
-            .as_ref()
-            .ok_or_else(|| SinkError::not_open("tiers"))?;
-        if let Err(e) = client
-            .batch_execute(&crate::tiers::cold_lock_sql(&layout, true))
-            .await
-        {
-            return Err(self.warm_error("cannot take the cold lock", e));
-        }
+        let client = self.lock_client(sink, layout).await?;
+        let locked = client
+            .batch_execute(&crate::tiers::cold_lock_sql(layout, true))
+            .await;
+        self.give_back(sink, "cannot take the cold lock", client, locked)?;
         let columns = &layout.heartbeats.columns;
         let writes: Vec<_> = days
             .values()
-            .map(|rows| cold::write_late(store.as_ref(), &root, columns, rows))
+            .map(|rows| cold::write_late(self.store.as_ref(), &self.root, columns, rows))
             .collect();
         let written = futures::stream::iter(writes)
             .buffer_unordered(COLD_CONCURRENCY)
             .try_collect::<Vec<usize>>()
             .await;
+        // A connection lost while the files were written released the lock under them: the
+        // batch fails and is written again under a new one.
+        let Some(client) = self.lock.take().filter(|c| !c.is_closed()) else {
+            return Err(SinkError::Transient {
+                sink: sink.to_owned(),
+                message: "cold tier: the cold lock's connection was lost while writing".into(),
+                source: None,
+            });
+        };
         let unlocked = client
-            .batch_execute(&crate::tiers::cold_lock_sql(&layout, false))
+            .batch_execute(&crate::tiers::cold_lock_sql(layout, false))
             .await;
+        let unlocked = self.give_back(sink, "cannot release the cold lock", client, unlocked);
         match written {
             Err(cold::ColdError::Store(e)) => Err(crate::sinks::object_json::classify(
-                &self.name,
+                sink,
                 "cold tier: cannot write late heartbeats".into(),
                 e,
             )),
-            Err(e @ cold::ColdError::Corrupt(..)) => Err(self.permanent(format!("cold tier: {e}"))),
-            Ok(_) => unlocked.map_err(|e| self.warm_error("cannot release the cold lock", e)),
+            Err(e @ cold::ColdError::Corrupt(..)) => Err(SinkError::Permanent {
+                sink: sink.to_owned(),
+                message: format!("cold tier: {e}"),
+                source: None,
+            }),
+            Ok(_) => unlocked,
+        }
+    }
+
+    /// The cold lock's connection, taken out to be used and given back with
+    /// [`Self::give_back`]; opened when first needed and again after it failed.
+    async fn lock_client(
+        &mut self,
+        sink: &str,
+        layout: &TierLayout,
+    ) -> Result<tokio_postgres::Client, SinkError> {
+        if let Some(client) = self.lock.take().filter(|c| !c.is_closed()) {
+            return Ok(client);
+        }
+        crate::tiers::connect_warm(layout)
+            .await
+            .map_err(|e| match e {
+                crate::tiers::TierError::Warm(what, e) => {
+                    classify(sink, format!("cold tier: cold lock: {what}"), e)
+                }
+                e => SinkError::Permanent {
+                    sink: sink.to_owned(),
+                    message: e.to_string(),
+                    source: None,
+                },
+            })
+    }
+
+    /// Keeps the lock's connection after a statement on it, unless the statement failed in a
+    /// way that calls for a new connection (dropping this one releases the lock).
+    fn give_back(
+        &mut self,
+        sink: &str,
+        what: &str,
+        client: tokio_postgres::Client,
+        result: Result<(), tokio_postgres::Error>,
+    ) -> Result<(), SinkError> {
+        match result {
+            Ok(()) => {
+                self.lock = Some(client);
+                Ok(())
+            }
+            Err(e) => {
+                let error = classify(sink, format!("cold tier: {what}"), e);
+                if !error.is_retryable() {
+                    self.lock = Some(client);
+                }
+                Err(error)
+            }
         }
     }
 }
@@ -302,15 +376,21 @@ impl Sink for TiersSink {
             .redis
             .take()
             .ok_or_else(|| SinkError::not_open("tiers"))?;
+        let Some(mut cold) = self.cold.take() else {
+            self.redis = Some(redis);
+            return Err(SinkError::not_open("tiers"));
+        };
         let started = Instant::now();
-        // Hot is written while warm and cold are: three stores, each write idempotent, and the
-        // batch fails (and is retried whole) if any fails.
-        let (stored, hot) = tokio::join!(
+        // The three stores are written at once: each write is idempotent, and the batch fails
+        // (and is retried whole) if any fails.
+        let (warm, cold_written, hot) = tokio::join!(
             async {
                 let applied = self.write_warm(&ops).await?;
-                let warm_ms = started.elapsed().as_millis();
-                self.write_cold(&ops).await?;
-                Ok::<_, SinkError>((applied, warm_ms, started.elapsed().as_millis()))
+                Ok::<_, SinkError>((applied, started.elapsed().as_millis()))
+            },
+            async {
+                cold.write(&name, &layout, &ops).await?;
+                Ok::<_, SinkError>(started.elapsed().as_millis())
             },
             async {
                 send_hot(&mut redis, &name, &layout, &commands).await?;
@@ -318,7 +398,9 @@ impl Sink for TiersSink {
             },
         );
         self.redis = Some(redis);
-        let (warm, warm_ms, cold_ms) = stored?;
+        self.cold = Some(cold);
+        let (warm, warm_ms) = warm?;
+        let cold_ms = cold_written?;
         let hot_ms = hot?;
         tracing::debug!(sink = %self.name, ops = ops.len(), ?warm, warm_ms, cold_ms, hot_ms, "tiers batch written");
         let deleted = ops
@@ -335,6 +417,9 @@ impl Sink for TiersSink {
     async fn close(&mut self) -> Result<Option<String>, SinkError> {
         self.redis = None;
         self.warm = None;
+        if let Some(cold) = &mut self.cold {
+            cold.lock = None;
+        }
         Ok(None)
     }
 }
