@@ -47,6 +47,50 @@ pub(super) fn document(
     Ok(Some(doc.into()))
 }
 
+/// One listed child while the children are gathered: what it sorts by and what it lists, not
+/// its whole row, so that a root with a million children stays small (about 100 bytes each
+/// for `ids = true`).
+struct Kept {
+    /// The `order_by` values, then the child key's.
+    sort: Box<[Value]>,
+    /// The child's document key: what `ids = true` lists, and the last tie-break.
+    key: Box<str>,
+    /// The listed fields, unless `ids = true`.
+    fields: Option<Box<Map<String, Value>>>,
+}
+
+impl Kept {
+    fn new(e: &Embed, id: &[String], row: &Row) -> Self {
+        let sort = e
+            .order
+            .iter()
+            .map(|(column, _)| column)
+            .chain(&e.child_key)
+            .map(|column| row.get(column).cloned().unwrap_or(Value::Null))
+            .collect();
+        let fields = (!e.ids).then(|| {
+            Box::new(
+                e.fields
+                    .iter()
+                    .map(|f| (f.name.clone(), f.source.value(row)))
+                    .collect(),
+            )
+        });
+        Self {
+            sort,
+            key: document_key(id).into_boxed_str(),
+            fields,
+        }
+    }
+
+    fn item(self) -> Value {
+        match self.fields {
+            Some(fields) => Value::Object(*fields),
+            None => Value::String(self.key.into_string()),
+        }
+    }
+}
+
 /// The listed children of the root whose key is `root` (after `limit`), and how many there
 /// are (before it). Only children whose row exists (and, through a link table, whose link row
 /// exists) are listed.
@@ -55,11 +99,11 @@ fn children(
     e: &Embed,
     root: &str,
 ) -> Result<(Vec<Value>, usize), StateError> {
-    let mut found: Vec<(Id, Row)> = Vec::new();
+    let mut found: Vec<Kept> = Vec::new();
     let mut count = 0;
-    let mut keep = |found: &mut Vec<(Id, Row)>, id: Id, row: Row| {
+    let mut keep = |found: &mut Vec<Kept>, id: Id, row: Row| {
         count += 1;
-        found.push((id, row));
+        found.push(Kept::new(e, &id, &row));
         if let Some(limit) = e.limit {
             if found.len() >= limit + LIMIT_SLACK {
                 found.sort_by(|a, b| order(e, a, b));
@@ -69,7 +113,8 @@ fn children(
     };
     match &e.via {
         Via::ForeignKey { index, .. } => {
-            for id in indexed(store, e.child, *index, root)? {
+            for id in indexed(store, e.child, *index, root)?.iter() {
+                let id = id?;
                 if let Some(row) = load(store, e.child, &id)? {
                     keep(&mut found, id, row);
                 }
@@ -81,8 +126,8 @@ fn children(
             by_parent,
             ..
         } => {
-            for link_id in indexed(store, *table, *by_parent, root)? {
-                let Some(link) = load(store, *table, &link_id)? else {
+            for link_id in indexed(store, *table, *by_parent, root)?.iter() {
+                let Some(link) = load(store, *table, &link_id?)? else {
                     continue;
                 };
                 let Some(child_key) = link.get(child).filter(|v| !v.is_null()) else {
@@ -104,37 +149,19 @@ fn children(
     if let Some(limit) = e.limit {
         found.truncate(limit);
     }
-    let items = found
-        .into_iter()
-        .map(|(id, row)| {
-            if e.ids {
-                Value::String(document_key(&id))
-            } else {
-                let mut object = Map::new();
-                for f in &e.fields {
-                    object.insert(f.name.clone(), f.source.value(&row));
-                }
-                Value::Object(object)
-            }
-        })
-        .collect();
-    Ok((items, count))
+    Ok((found.into_iter().map(Kept::item).collect(), count))
 }
 
-/// `order_by`, then the child key ascending, then the id's text.
-fn order(e: &Embed, (a_id, a): &(Id, Row), (b_id, b): &(Id, Row)) -> Ordering {
-    for (column, descending) in &e.order {
-        let o = compare(a.get(column), b.get(column));
-        let o = if *descending { o.reverse() } else { o };
+/// `order_by`, then the child key ascending, then the child's document key. (A tie on the
+/// child key is a tie on the id, which is made of the same values.)
+fn order(e: &Embed, a: &Kept, b: &Kept) -> Ordering {
+    let descending = e.order.iter().map(|(_, d)| *d).chain(std::iter::repeat(false));
+    for ((x, y), descending) in a.sort.iter().zip(b.sort.iter()).zip(descending) {
+        let o = compare(Some(x), Some(y));
+        let o = if descending { o.reverse() } else { o };
         if o != Ordering::Equal {
             return o;
         }
     }
-    for column in &e.child_key {
-        let o = compare(a.get(column), b.get(column));
-        if o != Ordering::Equal {
-            return o;
-        }
-    }
-    a_id.cmp(b_id)
+    a.key.cmp(&b.key)
 }

@@ -87,14 +87,34 @@ pub(super) fn indexed(
     t: u8,
     index: u8,
     value: &str,
-) -> Result<Vec<Id>, StateError> {
+) -> Result<IdList, StateError> {
     let prefix = keys::index_prefix(t, index, value);
-    let mut keys = Vec::new();
+    let mut list = IdList::default();
     store.scan_prefix(&prefix, &mut |k, _| {
-        keys.push(k[prefix.len()..].to_vec());
+        list.bytes.extend_from_slice(&k[prefix.len()..]);
+        list.ends.push(list.bytes.len());
         true
     })?;
-    keys.iter().map(|k| keys::components(k)).collect()
+    Ok(list)
+}
+
+/// Ids read from an index, kept encoded in one buffer and decoded one at a time: a root with a
+/// million children costs the bytes of their keys (about 20 each), not a million `Vec<String>`s
+/// (about 200 bytes each).
+#[derive(Debug, Default)]
+pub(super) struct IdList {
+    bytes: Vec<u8>,
+    ends: Vec<usize>,
+}
+
+impl IdList {
+    /// The ids, in index order.
+    pub(super) fn iter(&self) -> impl Iterator<Item = Result<Id, StateError>> + '_ {
+        let starts = std::iter::once(0).chain(self.ends.iter().copied());
+        starts
+            .zip(&self.ends)
+            .map(|(start, &end)| keys::components(&self.bytes[start..end]))
+    }
 }
 
 /// The id of `row` in table `t`: the record key, else the key columns.
@@ -270,8 +290,8 @@ fn mark(
                 ..
             } => {
                 // The child key is one column: its text is the id's one part.
-                for link in indexed(store, *table, *by_child, &id[0])? {
-                    if let Some(link) = load(store, *table, &link)? {
+                for link in indexed(store, *table, *by_child, &id[0])?.iter() {
+                    if let Some(link) = load(store, *table, &link?)? {
                         mark_root_key(store, shape, link.get(parent))?;
                     }
                 }
