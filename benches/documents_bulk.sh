@@ -21,7 +21,8 @@
 #        BOOKS (default 2000000; 40000 with CI=true), RENAME_BOOKS (default BOOKS/2),
 #        PG_URL (default postgres://postgres@127.0.0.1:5432/refract), BENCH_DIR (keeps the
 #        state and logs), REFRACT_BIN (another refract binary to measure, e.g. an older build),
-#        BENCH_SCHEMA (default bench_bulk: the schema, pipeline and slot name)
+#        BENCH_SCHEMA (default bench_bulk: the schema, pipeline and slot name), VERIFY=last
+#        (`refract verify` after the last run only: at full size each verify takes minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benches/common.sh
@@ -107,6 +108,7 @@ PY
 }
 
 verify() {
+    [ "${VERIFY:-}" = last ] && [ "$1" != update ] && return
     local start; start=$(python3 -c 'import time; print(time.time())')
     if ! RUST_LOG=warn "$refract" verify "$work/pipeline.toml" > "$work/verify-$1.txt" 2>&1; then
         echo "verify after $1 FAILED:" >&2; head -40 "$work/verify-$1.txt" >&2; exit 1
