@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
-use futures::{StreamExt, TryStreamExt};
+use futures::{StreamExt, TryFutureExt, TryStreamExt};
 use object_store::ObjectStore;
 use object_store::path::Path;
 use refract_schemas::Checkpoint;
@@ -22,6 +22,8 @@ use refract_schemas::config::TierLayout;
 use refract_schemas::write::OpFamily;
 use refract_schemas::write::tiers::{Heartbeat, Tier, TierAction, TierWrite};
 
+use crate::sinks::local_files::{LocalStore, SyncSet};
+use crate::sinks::object_json::open_store_unsynced;
 use crate::sinks::postgres::classify;
 use crate::sinks::redis::connection::{Connector, error as redis_error};
 use crate::tiers::{cold, hot, warm};
@@ -107,13 +109,7 @@ impl TiersSink {
             self.redis = Some(Connector::single(client));
         }
         if self.cold.is_none() {
-            let (store, root) =
-                crate::tiers::open_cold(&layout).map_err(|e| self.permanent(e.to_string()))?;
-            self.cold = Some(ColdTier {
-                store,
-                root,
-                lock: None,
-            });
+            self.cold = Some(ColdTier::open(&self.name, &layout)?);
         }
         if self.warm.as_ref().is_none_or(|c| c.is_closed()) {
             self.partitions.clear();
@@ -201,10 +197,40 @@ impl TiersSink {
 struct ColdTier {
     store: Arc<dyn ObjectStore>,
     root: Path,
+    /// On `file://`, what makes a batch's files durable together: a batch of late heartbeats
+    /// writes a file per device and day, often thousands, and syncing each as it is written
+    /// (with its new directories) took most of the batch's time.
+    local: Option<LocalStore>,
     lock: Option<tokio_postgres::Client>,
 }
 
 impl ColdTier {
+    fn open(sink: &str, layout: &TierLayout) -> Result<Self, SinkError> {
+        let url = &layout.stores.cold.url;
+        let refused = |what: String| SinkError::Permanent {
+            sink: sink.to_owned(),
+            message: format!("cold tier `{}`: {what}", url.masked()),
+            source: None,
+        };
+        let (store, root) = open_store_unsynced(url.expose()).map_err(refused)?;
+        let local = LocalStore::for_url(url.expose(), &root)
+            .transpose()
+            .map_err(|e| refused(e.to_string()))?;
+        if let Some(local) = &local {
+            local.create_root().map_err(|e| SinkError::Transient {
+                sink: sink.to_owned(),
+                message: format!("cold tier: cannot create {root}"),
+                source: Some(Box::new(e)),
+            })?;
+        }
+        Ok(Self {
+            store,
+            root,
+            local,
+            lock: None,
+        })
+    }
+
     /// Merges the batch's cold heartbeats into the late files of their devices' days, under the
     /// cold lock that aging takes too.
     async fn write(
@@ -231,15 +257,7 @@ impl ColdTier {
             .batch_execute(&crate::tiers::cold_lock_sql(layout, true))
             .await;
         self.give_back(sink, "cannot take the cold lock", client, locked)?;
-        let columns = &layout.heartbeats.columns;
-        let writes: Vec<_> = days
-            .values()
-            .map(|rows| cold::write_late(self.store.as_ref(), &self.root, columns, rows))
-            .collect();
-        let written = futures::stream::iter(writes)
-            .buffer_unordered(COLD_CONCURRENCY)
-            .try_collect::<Vec<usize>>()
-            .await;
+        let written = self.write_days(layout, &days).await;
         // A connection lost while the files were written released the lock under them: the
         // batch fails and is written again under a new one.
         let Some(client) = self.lock.take().filter(|c| !c.is_closed()) else {
@@ -266,6 +284,42 @@ impl ColdTier {
             }),
             Ok(_) => unlocked,
         }
+    }
+
+    /// Merges each day's heartbeats into its late file, then (on `file://`) makes the files
+    /// written durable together.
+    async fn write_days(
+        &mut self,
+        layout: &TierLayout,
+        days: &BTreeMap<(&str, String), Vec<&Heartbeat>>,
+    ) -> Result<(), cold::ColdError> {
+        let (store, root) = (self.store.as_ref(), &self.root);
+        let columns = &layout.heartbeats.columns;
+        let writes: Vec<_> = days
+            .iter()
+            .map(|((device, day), rows)| {
+                let path = cold::day_dir(root, device, day).join(cold::LATE_FILE);
+                cold::write_late(store, root, columns, rows)
+                    .map_ok(move |merged| (merged > 0).then_some(path))
+            })
+            .collect();
+        let written: Vec<Option<Path>> = futures::stream::iter(writes)
+            .buffer_unordered(COLD_CONCURRENCY)
+            .try_collect()
+            .await?;
+        let Some(local) = &mut self.local else {
+            return Ok(());
+        };
+        let mut set = SyncSet::default();
+        for path in written.iter().flatten() {
+            set.written(local.file(path)?);
+        }
+        local.sync(set).await.map_err(|e| {
+            cold::ColdError::Store(object_store::Error::Generic {
+                store: "LocalFileSystem",
+                source: Box::new(e),
+            })
+        })
     }
 
     /// The cold lock's connection, taken out to be used and given back with
