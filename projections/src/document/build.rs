@@ -104,11 +104,11 @@ fn children(
     let mut keep = |found: &mut Vec<Kept>, id: Id, row: Row| {
         count += 1;
         found.push(Kept::new(e, &id, &row));
-        if let Some(limit) = e.limit {
-            if found.len() >= limit + LIMIT_SLACK {
-                found.sort_by(|a, b| order(e, a, b));
-                found.truncate(limit);
-            }
+        if let Some(limit) = e.limit
+            && found.len() >= limit + LIMIT_SLACK
+        {
+            found.sort_by(|a, b| order(e, a, b));
+            found.truncate(limit);
         }
     };
     match &e.via {
@@ -155,7 +155,11 @@ fn children(
 /// `order_by`, then the child key ascending, then the child's document key. (A tie on the
 /// child key is a tie on the id, which is made of the same values.)
 fn order(e: &Embed, a: &Kept, b: &Kept) -> Ordering {
-    let descending = e.order.iter().map(|(_, d)| *d).chain(std::iter::repeat(false));
+    let descending = e
+        .order
+        .iter()
+        .map(|(_, d)| *d)
+        .chain(std::iter::repeat(false));
     for ((x, y), descending) in a.sort.iter().zip(b.sort.iter()).zip(descending) {
         let o = compare(Some(x), Some(y));
         let o = if descending { o.reverse() } else { o };
