@@ -4,10 +4,9 @@
 //! A batch is applied to the three stores at once: warm (one transaction), cold (late heartbeats
 //! merged into their device's day under the cold lock, taken on a connection of its own) and hot
 //! (pipelined). The stores are independent, so the batch takes the longest of the three, not
-//! their sum. Every step is
-//! idempotent, so a failure anywhere fails the batch, which the runtime retries whole: a Redis
-//! outage or a PostgreSQL restart delays the tiers and loses nothing. Batches follow one another,
-//! so a heartbeat's writes keep their order in every tier.
+//! their sum. Every step is idempotent, so a failure anywhere fails the batch, which the runtime
+//! retries whole: a Redis outage or a PostgreSQL restart delays the tiers and loses nothing.
+//! Batches follow one another, so a heartbeat's writes keep their order in every tier.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -78,11 +77,7 @@ impl TiersSink {
     }
 
     fn permanent(&self, message: String) -> SinkError {
-        SinkError::Permanent {
-            sink: self.name.clone(),
-            message,
-            source: None,
-        }
+        permanent(&self.name, message)
     }
 
     fn layout(&self) -> Result<&TierLayout, SinkError> {
@@ -207,11 +202,8 @@ struct ColdTier {
 impl ColdTier {
     fn open(sink: &str, layout: &TierLayout) -> Result<Self, SinkError> {
         let url = &layout.stores.cold.url;
-        let refused = |what: String| SinkError::Permanent {
-            sink: sink.to_owned(),
-            message: format!("cold tier `{}`: {what}", url.masked()),
-            source: None,
-        };
+        let refused =
+            |what: String| permanent(sink, format!("cold tier `{}`: {what}", url.masked()));
         let (store, root) = open_store_unsynced(url.expose()).map_err(refused)?;
         let local = LocalStore::for_url(url.expose(), &root)
             .transpose()
@@ -277,11 +269,9 @@ impl ColdTier {
                 "cold tier: cannot write late heartbeats".into(),
                 e,
             )),
-            Err(e @ cold::ColdError::Corrupt(..)) => Err(SinkError::Permanent {
-                sink: sink.to_owned(),
-                message: format!("cold tier: {e}"),
-                source: None,
-            }),
+            Err(e @ cold::ColdError::Corrupt(..)) => {
+                Err(permanent(sink, format!("cold tier: {e}")))
+            }
             Ok(_) => unlocked,
         }
     }
@@ -338,11 +328,7 @@ impl ColdTier {
                 crate::tiers::TierError::Warm(what, e) => {
                     classify(sink, format!("cold tier: cold lock: {what}"), e)
                 }
-                e => SinkError::Permanent {
-                    sink: sink.to_owned(),
-                    message: e.to_string(),
-                    source: None,
-                },
+                e => permanent(sink, e.to_string()),
             })
     }
 
@@ -368,6 +354,15 @@ impl ColdTier {
                 Err(error)
             }
         }
+    }
+}
+
+/// A failure of sink `sink` that retrying cannot fix.
+fn permanent(sink: &str, message: String) -> SinkError {
+    SinkError::Permanent {
+        sink: sink.to_owned(),
+        message,
+        source: None,
     }
 }
 
