@@ -105,6 +105,10 @@ fn a_migration_under_a_live_writer_survives_kills_in_every_phase() {
         "orders_v2 differs from the transformed orders"
     );
 
+    // Until the cut-over the target's changes are not published (the dual write would skip
+    // them): the backfill's writes are not decoded.
+    assert_eq!(m.published(), "orders,refract_migrations");
+
     // Cut-over, killed while it waits (the dual write is stopped meanwhile).
     let writer = Writer::start(&m.db.url(), n, WRITES_PER_SECOND, 2);
     kill9(&mut daemon);
@@ -121,6 +125,7 @@ fn a_migration_under_a_live_writer_survives_kills_in_every_phase() {
     m.wait_for("the switch", || {
         m.control("read_from").as_deref() == Some("orders_v2")
     });
+    assert_eq!(m.published(), "orders,orders_v2,refract_migrations");
     let out = m.run("cutover", &[]);
     assert!(out.status.success(), "cutover again: {}", stdout(&out));
     assert!(stdout(&out).contains("already"), "{}", stdout(&out));

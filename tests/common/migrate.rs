@@ -169,6 +169,15 @@ impl Migration {
         });
     }
 
+    /// The tables the dual write's publication covers, sorted and joined with commas.
+    pub fn published(&self) -> String {
+        self.db.psql(&format!(
+            "SELECT string_agg(tablename, ',' ORDER BY tablename) FROM pg_publication_tables \
+             WHERE pubname = '{}'",
+            self.slot
+        ))
+    }
+
     /// Rows of `orders` and `orders_v2` that do not match through the transform (SQL).
     pub fn sql_differences(&self) -> u64 {
         self.db.psql(FORWARD_DIFF).parse().unwrap()

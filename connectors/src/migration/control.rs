@@ -10,7 +10,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio_postgres::GenericClient;
 
-use super::{MigrationError, db, quote_table};
+use super::{MigrationError, db, quote_ident, quote_table};
 
 /// `text` as an SQL string literal.
 fn literal(text: &str) -> String {
@@ -171,10 +171,12 @@ impl Control {
 
     /// Asks for reads to move to `to` (away from `from`), and in the same transaction closes
     /// `from` to applications' writes and opens `to`: every write committed to `from` before
-    /// the request is in the stream before it, and none can follow.
+    /// the request is in the stream before it, and none can follow. `to` joins `publication`
+    /// (the dual write's) in that transaction if it is not in it yet.
     pub async fn request_switch(
         &self,
         client: &mut tokio_postgres::Client,
+        publication: &str,
         from: &str,
         to: &str,
         phase: Phase,
@@ -183,6 +185,9 @@ impl Control {
             .transaction()
             .await
             .map_err(db("cannot begin the switch request"))?;
+        // After the switch the dual write replicates `to`'s changes: it is published from
+        // this transaction on, so from the request on in the stream.
+        publish(&tx, publication, to).await?;
         tx.batch_execute(&format!(
             "CREATE OR REPLACE FUNCTION {GUARD}() RETURNS trigger LANGUAGE plpgsql AS $guard$
              BEGIN
@@ -327,4 +332,61 @@ impl Control {
             .map_err(db("cannot notify the switch"))?;
         Ok(())
     }
+}
+
+/// Creates publication `name` of `tables` unless it exists. The dual write's publication starts
+/// with the source and the control table; the target joins it at the cut-over request
+/// ([`Control::request_switch`]), so that until then the backfill's and the dual write's own
+/// writes to the target are not decoded and sent to a dual write that would skip them.
+pub async fn create_publication(
+    client: &impl GenericClient,
+    name: &str,
+    tables: &[&str],
+) -> Result<bool, MigrationError> {
+    let exists = client
+        .query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[&name])
+        .await
+        .map_err(db("cannot read pg_publication"))?
+        .is_some();
+    if exists {
+        return Ok(false);
+    }
+    let tables: Vec<String> = tables.iter().map(|t| quote_table(t)).collect();
+    client
+        .batch_execute(&format!(
+            "CREATE PUBLICATION {} FOR TABLE {}",
+            quote_ident(name),
+            tables.join(", ")
+        ))
+        .await
+        .map_err(db(format!("cannot create publication `{name}`")))?;
+    Ok(true)
+}
+
+/// Adds `table` to publication `name` unless the publication covers it already.
+async fn publish(
+    client: &impl GenericClient,
+    name: &str,
+    table: &str,
+) -> Result<(), MigrationError> {
+    let covered = client
+        .query_opt(
+            "SELECT 1 FROM pg_publication_tables \
+             WHERE pubname = $1 AND format('%I.%I', schemaname, tablename)::regclass = to_regclass($2)",
+            &[&name, &quote_table(table)],
+        )
+        .await
+        .map_err(db("cannot read pg_publication_tables"))?
+        .is_some();
+    if covered {
+        return Ok(());
+    }
+    client
+        .batch_execute(&format!(
+            "ALTER PUBLICATION {} ADD TABLE {}",
+            quote_ident(name),
+            quote_table(table)
+        ))
+        .await
+        .map_err(db(format!("cannot add `{table}` to publication `{name}`")))
 }

@@ -1,5 +1,5 @@
 //! `refract migrate FILE start`: prepares the database (control table and row, identity index,
-//! publication of both tables and the control table, slot) and runs the dual write as a
+//! publication of the source and the control table, slot) and runs the dual write as a
 //! pipeline: the PostgreSQL source, the `migration` projection and the `migration` sink.
 //!
 //! The pipeline is the ordinary runtime (checkpoints, batching, retries, dead letters, metrics,
@@ -13,6 +13,7 @@ use refract_connectors::migration::MigrationError;
 use refract_connectors::migration::catalog::{
     ensure_identity_index, qualified_name, replica_identity_covers,
 };
+use refract_connectors::migration::control::create_publication;
 use refract_schemas::config::{
     LoadedPipeline, MigrationProjectionConfig, MigrationSinkConfig, PipelineFile,
 };
@@ -46,6 +47,12 @@ pub async fn prepare(m: &Migration) -> Result<(), MigrationError> {
     if let Some(index) = ensure_identity_index(&m.client, &m.target, m.transform.identity()).await?
     {
         tracing::info!(index = %index, table = %file.target, "created the identity index the dual write upserts through");
+    }
+    // The target joins the publication at the cut-over (`create_publication` says why).
+    let publication = m.file.slot();
+    let published = [&file.source, &file.control_table].map(String::as_str);
+    if create_publication(&m.client, &publication, &published).await? {
+        tracing::info!(%publication, tables = ?published, "created the dual write's publication");
     }
     if !replica_identity_covers(&m.client, &m.target, m.transform.identity()).await? {
         return Err(MigrationError::Refused(format!(

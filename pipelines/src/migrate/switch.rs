@@ -33,8 +33,9 @@ async fn switch(
 ) -> Result<bool, MigrateError> {
     let row = m.control.require(&m.client).await?;
     let from = text(&row, "read_from").to_owned();
+    let publication = m.file.slot();
     m.control
-        .request_switch(&mut m.client, &from, to, asking)
+        .request_switch(&mut m.client, &publication, &from, to, asking)
         .await?;
     let asked = Instant::now();
     eprintln!(
@@ -58,7 +59,7 @@ async fn switch(
                 Phase::CutOver
             };
             m.control
-                .request_switch(&mut m.client, to, &from, back)
+                .request_switch(&mut m.client, &publication, to, &from, back)
                 .await?;
             eprintln!(
                 "error: the dual write did not reach the request within {}s (is `refract migrate {} start` running?); the request is withdrawn and reads stay on `{from}`",
