@@ -49,7 +49,7 @@ pub async fn prepare(m: &Migration) -> Result<(), MigrationError> {
         tracing::info!(index = %index, table = %file.target, "created the identity index the dual write upserts through");
     }
     // The target joins the publication at the cut-over (`create_publication` says why).
-    let publication = m.file.slot();
+    let publication = m.file.publication();
     let published = [&file.source, &file.control_table].map(String::as_str);
     if create_publication(&m.client, &publication, &published).await? {
         tracing::info!(%publication, tables = ?published, "created the dual write's publication");
@@ -96,7 +96,7 @@ pub fn pipeline(m: &Migration, tables: [String; 3]) -> PipelineFile {
             "kind": "postgres",
             "url": file.url,
             "slot": m.file.slot(),
-            "publication": m.file.slot(),
+            "publication": m.file.publication(),
             "tables": tables,
             "snapshot": "never",
         },

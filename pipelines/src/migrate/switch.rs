@@ -33,7 +33,7 @@ async fn switch(
 ) -> Result<bool, MigrateError> {
     let row = m.control.require(&m.client).await?;
     let from = text(&row, "read_from").to_owned();
-    let publication = m.file.slot();
+    let publication = m.file.publication();
     m.control
         .request_switch(&mut m.client, &publication, &from, to, asking)
         .await?;
@@ -190,8 +190,9 @@ pub async fn finalize(m: Migration, drop_old_table: bool) -> Result<ExitCode, Mi
         .drop_slot(&slot)
         .await
         .map_err(|e| MigrationError::Refused(e.to_string()))?;
+    let publication = m.file.publication();
     let dropped_publication = admin
-        .drop_publication(&slot)
+        .drop_publication(&publication)
         .await
         .map_err(|e| MigrationError::Refused(e.to_string()))?;
     m.control.set_phase(&m.client, Phase::Finalized).await?;
@@ -199,7 +200,7 @@ pub async fn finalize(m: Migration, drop_old_table: bool) -> Result<ExitCode, Mi
         m.control.open_writes(&m.client, table).await?;
     }
     println!(
-        "migration `{}` finalized: reads and writes stay on `{read_from}`; slot `{slot}` {}, publication `{slot}` {}",
+        "migration `{}` finalized: reads and writes stay on `{read_from}`; slot `{slot}` {}, publication `{publication}` {}",
         m.file.migration.name,
         if dropped_slot {
             "dropped"

@@ -153,6 +153,11 @@ impl MigrationFile {
             .unwrap_or_else(|| format!("refract_migrate_{}", self.migration.name))
     }
 
+    /// The dual write's publication: named as its slot.
+    pub fn publication(&self) -> String {
+        self.slot()
+    }
+
     /// Every semantic problem, as (field path, message); empty when the file is usable. The
     /// rules that need the database (columns exist, types agree) are checked by `migrate` and
     /// `plan` against the live catalog.
