@@ -8,6 +8,7 @@ pub mod health;
 pub mod intake;
 pub mod migration;
 pub mod pg_connect;
+pub mod pg_sql;
 mod privileges;
 pub mod registry;
 pub mod schema_registry;

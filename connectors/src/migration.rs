@@ -97,21 +97,3 @@ pub async fn connect(url: &str) -> Result<tokio_postgres::Client, MigrationError
         .map_err(db("cannot set up the connection"))?;
     Ok(client)
 }
-
-/// `name` quoted as an SQL identifier.
-pub fn quote_ident(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
-}
-
-/// A table as a file names it (`orders` or `schema.orders`), quoted.
-pub fn quote_table(table: &str) -> String {
-    match table.split_once('.') {
-        Some((schema, name)) => format!("{}.{}", quote_ident(schema), quote_ident(name)),
-        None => quote_ident(table),
-    }
-}
-
-/// A table as a file names it, as a string literal for `regclass` (`'"public"."orders"'`).
-pub fn table_literal(table: &str) -> String {
-    format!("'{}'", quote_table(table).replace('\'', "''"))
-}

@@ -5,7 +5,8 @@
 use refract_schemas::config::{ColumnShape, TableShape};
 use tokio_postgres::Client;
 
-use super::{MigrationError, db, quote_ident, quote_table};
+use super::{MigrationError, db};
+use crate::pg_sql::{quote_ident, quote_table};
 
 /// PostgreSQL's longest identifier, in bytes.
 const MAX_IDENTIFIER: usize = 63;

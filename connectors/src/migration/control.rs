@@ -10,7 +10,8 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio_postgres::GenericClient;
 
-use super::{MigrationError, db, quote_ident, quote_table};
+use super::{MigrationError, db};
+use crate::pg_sql::{self, quote_ident, quote_table};
 
 /// `text` as an SQL string literal.
 fn literal(text: &str) -> String {
@@ -341,23 +342,15 @@ impl Control {
 pub async fn create_publication(
     client: &impl GenericClient,
     name: &str,
-    tables: &[&str],
+    tables: &[String],
 ) -> Result<bool, MigrationError> {
-    let exists = client
-        .query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[&name])
+    if pg_sql::publication_exists(client, name)
         .await
         .map_err(db("cannot read pg_publication"))?
-        .is_some();
-    if exists {
+    {
         return Ok(false);
     }
-    let tables: Vec<String> = tables.iter().map(|t| quote_table(t)).collect();
-    client
-        .batch_execute(&format!(
-            "CREATE PUBLICATION {} FOR TABLE {}",
-            quote_ident(name),
-            tables.join(", ")
-        ))
+    pg_sql::create_publication(client, name, tables)
         .await
         .map_err(db(format!("cannot create publication `{name}`")))?;
     Ok(true)

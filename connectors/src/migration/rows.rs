@@ -12,7 +12,8 @@ use tokio_postgres::ToStatement;
 use tokio_postgres::types::ToSql;
 
 use super::catalog::Table;
-use super::{MigrationError, db, quote_ident};
+use super::{MigrationError, db};
+use crate::pg_sql::quote_ident;
 use crate::sources::postgres::values::text_to_json;
 
 /// A value as PostgreSQL's text input reads it (`None`: SQL null).

@@ -37,6 +37,7 @@ use refract_schemas::write::{DocumentOp, OpFamily};
 use refract_schemas::{Checkpoint, Position};
 
 use crate::pg_connect::{PgConnectError, PgEndpoint};
+use crate::pg_sql::{qualified, quote_ident};
 use crate::sinks::documents::{Keyed, segments};
 use crate::{Intake, RejectedOp, Sink, SinkBatch, SinkError, WriteReport};
 
@@ -77,10 +78,6 @@ pub struct PostgresSink {
     ready: HashSet<String>,
 }
 
-fn quote(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
-}
-
 impl PostgresSink {
     /// The families of write operations this sink accepts.
     pub const ACCEPTS: &'static [OpFamily] = <Accepted<'static> as Intake<'static>>::FAMILIES;
@@ -96,11 +93,7 @@ impl PostgresSink {
     }
 
     fn table(&self, collection: &str) -> String {
-        format!(
-            "{}.{}",
-            quote(&self.config.schema),
-            quote(&self.target(collection))
-        )
+        qualified(&self.config.schema, &self.target(collection))
     }
 
     /// The unqualified table name of `collection`, as the tombstones name their target.
@@ -110,11 +103,7 @@ impl PostgresSink {
 
     /// The tombstones table, qualified and quoted.
     fn tombstones(&self) -> String {
-        format!(
-            "{}.{}",
-            quote(&self.config.schema),
-            quote(POSTGRES_TOMBSTONES_TABLE)
-        )
+        qualified(&self.config.schema, POSTGRES_TOMBSTONES_TABLE)
     }
 
     /// A failure as [`classify`] sees it; a transient one drops the connection, so the next
@@ -573,7 +562,7 @@ async fn create_missing(
         .map_err(|e| ("cannot look up the schema".to_owned(), e))?
         .is_some();
     if !exists {
-        let schema = quote(schema_name);
+        let schema = quote_ident(schema_name);
         create_racing(tx, &format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
             .await
             .map_err(|e| (format!("cannot create schema {schema}"), e))?;

@@ -27,13 +27,10 @@ use tokio_postgres::binary_copy::BinaryCopyInWriter;
 use tokio_postgres::types::{IsNull, ToSql, Type, to_sql_checked};
 use tokio_postgres::{Client, GenericClient, Transaction};
 
+use crate::pg_sql::{qualified, quote_ident};
+
 /// An hour in microseconds.
 pub const HOUR_MICROS: i64 = 3_600_000_000;
-
-/// A quoted identifier.
-pub fn quote(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
-}
 
 /// The warm table's schema and name.
 pub fn schema_and_table(layout: &TierLayout) -> (&str, &str) {
@@ -48,13 +45,13 @@ pub fn schema_and_table(layout: &TierLayout) -> (&str, &str) {
 /// The warm table, quoted and qualified.
 pub fn table(layout: &TierLayout) -> String {
     let (schema, table) = schema_and_table(layout);
-    format!("{}.{}", quote(schema), quote(table))
+    qualified(schema, table)
 }
 
 /// The aging job's table of runs, quoted and qualified.
 pub fn aging_table(layout: &TierLayout) -> String {
     let (schema, table) = schema_and_table(layout);
-    format!("{}.{}", quote(schema), quote(&format!("{table}_aging")))
+    qualified(schema, &format!("{table}_aging"))
 }
 
 /// The start of the hour holding `micros`.
@@ -178,11 +175,14 @@ pub fn create_statements(layout: &TierLayout) -> Vec<String> {
         .heartbeats
         .columns
         .iter()
-        .map(|c| format!(", {} {}", quote(&c.name), c.kind.sql()))
+        .map(|c| format!(", {} {}", quote_ident(&c.name), c.kind.sql()))
         .collect();
     let mut statements = Vec::new();
     if schema != "public" {
-        statements.push(format!("CREATE SCHEMA IF NOT EXISTS {}", quote(schema)));
+        statements.push(format!(
+            "CREATE SCHEMA IF NOT EXISTS {}",
+            quote_ident(schema)
+        ));
     }
     statements.extend([
         format!(
@@ -240,8 +240,8 @@ pub async fn ensure_partitions(
         .map(|&hour| {
             format!(
                 "CREATE TABLE IF NOT EXISTS {}.{} PARTITION OF {} FOR VALUES FROM ('{}') TO ('{}')",
-                quote(schema),
-                quote(&partition_name(layout, hour)),
+                quote_ident(schema),
+                quote_ident(&partition_name(layout, hour)),
                 table(layout),
                 timestamp_text(hour),
                 timestamp_text(hour + HOUR_MICROS)
@@ -379,7 +379,7 @@ pub async fn copy_in(
     types.extend(columns.iter().map(|c| pg_type(c.kind)));
     let names: String = columns
         .iter()
-        .map(|c| format!(", {}", quote(&c.name)))
+        .map(|c| format!(", {}", quote_ident(&c.name)))
         .collect();
     let sink = tx
         .copy_in(&format!(
@@ -430,7 +430,7 @@ pub async fn upsert(
         .collect();
     let mut params: Vec<&(dyn ToSql + Sync)> = vec![&devices, &times, &regions, &hashes];
     params.extend(measures.iter().map(|m| m as &(dyn ToSql + Sync)));
-    let names: Vec<String> = columns.iter().map(|c| quote(&c.name)).collect();
+    let names: Vec<String> = columns.iter().map(|c| quote_ident(&c.name)).collect();
     let casts: String = columns
         .iter()
         .enumerate()
@@ -465,7 +465,7 @@ pub async fn select(
     let columns = &layout.heartbeats.columns;
     let list: String = columns
         .iter()
-        .map(|c| format!(", {}", quote(&c.name)))
+        .map(|c| format!(", {}", quote_ident(&c.name)))
         .collect();
     let rows = client
         .query(

@@ -50,7 +50,7 @@ pub async fn prepare(m: &Migration) -> Result<(), MigrationError> {
     }
     // The target joins the publication at the cut-over (`create_publication` says why).
     let publication = m.file.publication();
-    let published = [&file.source, &file.control_table].map(String::as_str);
+    let published = [file.source.clone(), file.control_table.clone()];
     if create_publication(&m.client, &publication, &published).await? {
         tracing::info!(%publication, tables = ?published, "created the dual write's publication");
     }

@@ -217,7 +217,7 @@ pub async fn finalize(m: Migration, drop_old_table: bool) -> Result<ExitCode, Mi
         m.client
             .batch_execute(&format!(
                 "DROP TABLE {}",
-                refract_connectors::migration::quote_table(&old)
+                refract_connectors::pg_sql::quote_table(&old)
             ))
             .await
             .map_err(refract_connectors::migration::db(format!(

@@ -7,7 +7,7 @@
 
 use tokio_postgres::GenericClient;
 
-use super::quote;
+use crate::pg_sql::quote_ident;
 use crate::privileges::Missing;
 
 /// The privileges on a read-model table that writing it takes: SELECT for the upserts' and
@@ -36,8 +36,8 @@ pub(super) async fn check(
         return Ok(None);
     }
     let mut missing = Missing::of(&name);
-    let grantee = quote(&name);
-    let quoted_schema = quote(schema);
+    let grantee = quote_ident(&name);
+    let quoted_schema = quote_ident(schema);
     let rights = tx
         .query_opt(
             "SELECT has_schema_privilege(oid, 'USAGE'), has_schema_privilege(oid, 'CREATE') \
@@ -98,7 +98,7 @@ pub(super) async fn check(
             format!("{privileges} on table {schema}.{table}"),
             format!(
                 "GRANT {privileges} ON {quoted_schema}.{} TO {grantee}",
-                quote(&table)
+                quote_ident(&table)
             ),
         );
     }

@@ -12,6 +12,7 @@ use refract_schemas::config::PostgresSourceConfig;
 use tokio_postgres::error::SqlState;
 
 use crate::pg_connect::{PgConnectError, PgEndpoint};
+use crate::pg_sql::{qualified, quote_ident};
 
 /// How long connecting may take when the URL does not say (`connect_timeout`).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -496,9 +497,7 @@ impl PgAdmin {
                 split => {
                     // As CREATE PUBLICATION resolves it: `schema.table`, or `table` on the search path.
                     let name = match split {
-                        Some((schema, table)) => {
-                            format!("{}.{}", quote_ident(schema), quote_ident(table))
-                        }
+                        Some((schema, table)) => qualified(schema, table),
                         None => quote_ident(pattern),
                     };
                     let row = self
@@ -632,10 +631,6 @@ impl PgAdmin {
         }
         Ok(existed)
     }
-}
-
-fn quote_ident(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
 }
 
 #[cfg(test)]

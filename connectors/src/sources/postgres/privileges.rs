@@ -14,8 +14,9 @@
 use tokio_postgres::Client;
 
 use super::snapshot::published_tables;
-use super::source::{io, quote_ident};
+use super::source::io;
 use crate::SourceError;
+use crate::pg_sql::quote_ident;
 use crate::privileges::Missing;
 
 /// The error of `missing`, if anything is.
@@ -140,7 +141,7 @@ async fn check_create_publication(
     let made_by_admin = format!(
         "CREATE PUBLICATION {} FOR {}, then set `create = false`",
         quote_ident(publication),
-        super::source::publication_target(tables)
+        crate::pg_sql::publication_target(tables)
     );
     if tables.is_empty() || tables.iter().any(|t| t.ends_with(".*")) {
         missing.add(

@@ -29,8 +29,9 @@ use serde::{Deserialize, Serialize};
 
 use super::inspect::error_text;
 use super::share_lock::{self, Patience};
-use super::source::{io, quote_ident};
+use super::source::io;
 use crate::SourceError;
+use crate::pg_sql::{qualified, quote_ident};
 
 mod copy;
 mod request;
@@ -396,7 +397,7 @@ async fn table_shape(
     table: &str,
 ) -> Result<TableShape, SourceError> {
     let (schema, name) = table.split_once('.').unwrap_or(("public", table));
-    let quoted = format!("{}.{}", quote_ident(schema), quote_ident(name));
+    let quoted = qualified(schema, name);
     // The published columns (a publication may list columns), generated ones excluded as
     // pgoutput leaves them out.
     let columns = client

@@ -41,6 +41,7 @@ use super::privileges;
 use super::snapshot::{self, ChunkMessage, ChunkProgress, Chunker, CopySnapshot};
 use super::values::text_to_json;
 use crate::pg_connect::{PgEndpoint, TLS_REFUSED};
+use crate::pg_sql;
 use crate::{ReadMode, Source, SourceContext, SourceError, SourceHealth, SourceItem};
 use events::RowShape;
 use liveness::Liveness;
@@ -160,10 +161,6 @@ pub(crate) fn io(message: impl Into<String>) -> impl FnOnce(tokio_postgres::Erro
         message: format!("{message}: {}", error_text(&e)),
         source: None,
     }
-}
-
-pub(crate) fn quote_ident(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
 }
 
 /// An ordinary (non-replication) connection, its connection task spawned: opened within
@@ -339,14 +336,9 @@ impl Source for PostgresSource {
 impl PostgresSource {
     /// Creates the publication when it does not exist (and `create` allows it).
     async fn ensure_publication(&self, client: &tokio_postgres::Client) -> Result<(), SourceError> {
-        let exists = client
-            .query_opt(
-                "SELECT 1 FROM pg_publication WHERE pubname = $1",
-                &[&self.publication],
-            )
+        let exists = pg_sql::publication_exists(client, &self.publication)
             .await
-            .map_err(io("cannot read pg_publication"))?
-            .is_some();
+            .map_err(io("cannot read pg_publication"))?;
         if !exists && !self.config.create {
             return Err(SourceError::Inconsistent(format!(
                 "publication `{}` does not exist (and `create = false`)",
@@ -361,17 +353,13 @@ impl PostgresSource {
         if exists {
             return Ok(());
         }
-        let target = publication_target(&self.config.tables);
-        client
-            .batch_execute(&format!(
-                "CREATE PUBLICATION {} FOR {target}",
-                quote_ident(&self.publication)
-            ))
+        pg_sql::create_publication(client, &self.publication, &self.config.tables)
             .await
             .map_err(io(format!(
                 "cannot create publication `{}`",
                 self.publication
             )))?;
+        let target = pg_sql::publication_target(&self.config.tables);
         tracing::info!(publication = %self.publication, %target, "created publication");
         Ok(())
     }
@@ -618,25 +606,6 @@ impl PostgresSource {
             }
         });
     }
-}
-
-/// The `FOR ...` part of `CREATE PUBLICATION` for the configured tables (`schema.*` for a
-/// whole schema; none for all tables).
-pub(super) fn publication_target(tables: &[String]) -> String {
-    if tables.is_empty() {
-        return "ALL TABLES".to_owned();
-    }
-    let parts: Vec<String> = tables
-        .iter()
-        .map(|t| match t.split_once('.') {
-            Some((schema, "*")) => format!("TABLES IN SCHEMA {}", quote_ident(schema)),
-            Some((schema, table)) => {
-                format!("TABLE {}.{}", quote_ident(schema), quote_ident(table))
-            }
-            None => format!("TABLE {}", quote_ident(t)),
-        })
-        .collect();
-    parts.join(", ")
 }
 
 /// The replication session's settings, from the source's URL.

@@ -11,9 +11,10 @@ use refract_schemas::{ChangeEvent, Offset, Op, Position, Row, TableId};
 use serde_json::Value;
 
 use super::snapshot::parse_copy_line;
-use super::source::{connect, io, quote_ident};
+use super::source::{connect, io};
 use super::values::text_to_json;
 use crate::SourceError;
+use crate::pg_sql::{qualified, quote_ident};
 
 /// A consistent view of a database's tables.
 pub struct TableReader {
@@ -48,7 +49,7 @@ impl TableReader {
     /// The planner's estimate of the rows of `table` (`schema.table`; 0 when never analyzed).
     pub async fn estimate(&self, table: &str) -> Result<u64, SourceError> {
         let (schema, name) = table.split_once('.').unwrap_or(("public", table));
-        let quoted = format!("{}.{}", quote_ident(schema), quote_ident(name));
+        let quoted = qualified(schema, name);
         Ok(super::snapshot::planner_estimate(&self.client, &quoted)
             .await?
             .unwrap_or(0))
@@ -61,7 +62,7 @@ impl TableReader {
         visit: &mut (dyn FnMut(ChangeEvent) + Send),
     ) -> Result<u64, SourceError> {
         let (schema, name) = table.split_once('.').unwrap_or(("public", table));
-        let quoted = format!("{}.{}", quote_ident(schema), quote_ident(name));
+        let quoted = qualified(schema, name);
         let columns = self.columns(&quoted).await?;
         let id = TableId::new(schema, name);
         let partition: Arc<str> = Arc::from(format!("verify:{table}"));
@@ -157,7 +158,7 @@ pub async fn read_documents(
     let exists = client
         .query_one(
             "SELECT to_regclass($1) IS NOT NULL",
-            &[&format!("{}.{}", quote_ident(schema), quote_ident(table))],
+            &[&qualified(schema, table)],
         )
         .await
         .map_err(io("cannot look the read model up"))?;

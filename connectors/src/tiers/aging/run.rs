@@ -8,6 +8,7 @@ use refract_schemas::config::TierLayout;
 use tokio_postgres::{Client, GenericClient};
 
 use super::{AgingReport, DAY_MICROS, day_start, export, warm_error};
+use crate::pg_sql::{qualified, quote_ident};
 use crate::tiers::{TierError, warm};
 
 /// PostgreSQL's longest identifier in bytes (NAMEDATALEN - 1): a longer name would be cut
@@ -78,13 +79,7 @@ impl Run {
         let (schema, _) = warm::schema_and_table(layout);
         self.partitions
             .iter()
-            .map(|p| {
-                format!(
-                    "{}.{}",
-                    warm::quote(schema),
-                    warm::quote(&detached_name(p, self.id))
-                )
-            })
+            .map(|p| qualified(schema, &detached_name(p, self.id)))
             .collect()
     }
 }
@@ -227,11 +222,11 @@ async fn detach(client: &mut Client, layout: &TierLayout, run: &mut Run) -> Resu
                 run.id
             )));
         }
-        let qualified = format!("{}.{}", warm::quote(schema), warm::quote(p));
+        let partition = qualified(schema, p);
         tx.batch_execute(&format!(
-            "ALTER TABLE {table} DETACH PARTITION {qualified}; \
-             ALTER TABLE {qualified} RENAME TO {}",
-            warm::quote(&renamed)
+            "ALTER TABLE {table} DETACH PARTITION {partition}; \
+             ALTER TABLE {partition} RENAME TO {}",
+            quote_ident(&renamed)
         ))
         .await
         .map_err(&fail)?;

@@ -32,7 +32,8 @@ use serde::{Deserialize, Serialize};
 
 use super::{ChunkProgress, State, TableState, persist, published_tables, table_shape};
 use crate::SourceError;
-use crate::sources::postgres::source::{self, io, quote_ident};
+use crate::pg_sql::quote_ident;
+use crate::sources::postgres::source::{self, io};
 
 /// Rows between two notes of the key reached.
 const COPY_MARK_ROWS: u64 = 10_000;

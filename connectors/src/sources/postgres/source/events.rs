@@ -4,6 +4,7 @@
 use std::borrow::Cow;
 
 use super::*;
+use crate::pg_sql::{qualified, quote_ident};
 
 impl Reader {
     /// Reads the exported snapshot's tables with COPY, handing every row out as a read event
@@ -350,10 +351,9 @@ impl Reader {
             .map(|(i, t)| format!("${}::text::{t}", i + 1))
             .collect();
         let sql = format!(
-            "SELECT {} FROM {}.{} WHERE ({}) = ({})",
+            "SELECT {} FROM {} WHERE ({}) = ({})",
             columns.join(", "),
-            quote_ident(&info.shape.namespace),
-            quote_ident(&info.shape.name),
+            qualified(&info.shape.namespace, &info.shape.name),
             keys.join(", "),
             params.join(", ")
         );
