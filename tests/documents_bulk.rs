@@ -26,8 +26,8 @@ fn books() -> u64 {
     if in_ci() { 4_000 } else { 40_000 }
 }
 
-/// `[pipeline.batch] max_events` of the test's pipeline: a transaction's documents leave in
-/// batches of at most four times this (`TRANSACTION_BATCH_FACTOR`).
+/// `[pipeline.batch] max_events` of the test's pipeline: a transaction's rows come in batches of
+/// at most four times this (`TRANSACTION_BATCH_FACTOR`), its documents in batches of this.
 const MAX_EVENTS: u64 = 100;
 
 /// How long a round waits for its documents to be partly written, then all written.
@@ -276,7 +276,7 @@ fn a_bootstrap_killed_while_it_writes_its_documents_writes_them_all_at_the_next_
     let books = books();
     let (_cleanup, dir) = seeded(schema, books);
     let pipeline = bulk_pipeline(dir.path(), schema);
-    // The documents leave when the load ends, in batches of 4 x MAX_EVENTS. Killed between
+    // The documents leave when the load ends, in batches of MAX_EVENTS. Killed between
     // two of them, the END that frames the load is not durable (a batch cut inside an emission
     // does not move the checkpoint): the next start reads the rest again in chunks, whose own
     // transactions end what the load marked. Nothing changes in the tables afterwards, so no

@@ -15,9 +15,9 @@
 //! Backpressure: every queue is bounded (source chunks, `queue_depth` batches per sink), so a slow
 //! sink pauses the source. Order per key: one processor, and each sink applies its batches in
 //! order. A batch is not cut inside a source transaction unless it grows past
-//! [`TRANSACTION_BATCH_FACTOR`] times the limits (memory stays bounded). That holds for what
-//! projections emit at a transaction's end too (documents it reached, counted as events): they
-//! come in chunks, and a batch cut between two chunks adds nothing to the checkpoint while its
+//! [`TRANSACTION_BATCH_FACTOR`] times the limits (memory stays bounded). What projections emit
+//! at a transaction's end (documents it reached, counted as events) is bounded by the limits
+//! themselves, unstretched: it comes in chunks, and a batch cut between two chunks adds nothing to the checkpoint while its
 //! keyed state is undone at restart until the emission's last batch is durable, so a crash in
 //! the middle replays the whole transaction. Shutdown (SIGINT/SIGTERM) stops the source, drains,
 //! flushes, checkpoints and returns normally.

@@ -286,7 +286,7 @@ impl Processor {
 
     /// The end of a source transaction at `position`: projections emit what they buffered
     /// (documents the transaction touched), in chunks that fill the batch up to
-    /// [`BatchLimits::emission_room`]; a full batch is cut between two chunks as part of the
+    /// [`BatchLimits::emission_room`] (the batch limits, not stretched); a full batch is cut between two chunks as part of the
     /// emission ([`Processor::send_batch`]), so memory stays bounded however many documents the
     /// transaction reaches. Returns how many operations the projections emitted.
     pub(super) async fn end_transaction(&mut self, position: &Position) -> Result<usize, RunError> {
