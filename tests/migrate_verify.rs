@@ -4,7 +4,9 @@
 //!   with its key, and stops neither the dual write nor the rest of the report;
 //! - equal values written differently (`1.0` and `1.00`, one instant in two time zones, JSON
 //!   with its keys in another order) are not differences, integer keys are chunked in numeric
-//!   order, and a real difference among them is found with its column and both values.
+//!   order, and a real difference among them is found with its column and both values;
+//! - the backfill converting in PostgreSQL copies and rejects exactly the rows that refract's
+//!   own conversion copies and rejects, edge values included.
 
 mod common;
 
@@ -174,6 +176,12 @@ fn equal_values_written_differently_are_equal_and_integer_keys_chunk_in_order() 
     let mut daemon = m.start();
     let out = m.run("backfill", &[]);
     assert!(out.status.success(), "backfill: {}", text(&out));
+    // Text to an instant has no exact SQL here: these rows go through refract.
+    assert!(
+        text(&out).contains("converted by refract"),
+        "{}",
+        text(&out)
+    );
     // The same values, written differently: `2.0` for `2.50`'s neighbour `2.00`, the instant
     // written in another zone (the source has it as text with +02), the JSON keys reordered.
     m.db.psql(
@@ -205,4 +213,133 @@ fn equal_values_written_differently_are_equal_and_integer_keys_chunk_in_order() 
     assert_eq!(column["expected"], "1001.50");
     assert_eq!(report["chunks_differing"], 1, "{report:#}");
     daemon.terminate();
+}
+
+/// Edge values of an `extract` into a bigint, a `scale` into a bigint and a narrowing cast:
+/// each row says what the transform does with it.
+const EDGES_SCHEMA: &str = "
+    CREATE TABLE accounts (
+        id integer PRIMARY KEY,
+        code text,
+        amount numeric(16,4) NOT NULL,
+        small bigint NOT NULL
+    );
+    CREATE TABLE accounts_v2 (
+        id integer PRIMARY KEY,
+        code bigint NOT NULL,
+        cents bigint NOT NULL,
+        small smallint NOT NULL
+    );
+    INSERT INTO accounts VALUES
+        (1, 'U1', 12.34, 1),                      -- copied: 1, 1234, 1
+        (2, 'U007', -0.01, -32768),               -- copied: 7, -1, -32768
+        (3, 'U', 1, 1),                           -- rejected: no digits
+        (4, 'U12a', 1, 1),                        -- rejected: no match
+        (5, 'u12', 1, 1),                         -- rejected: case
+        (6, 'U-5', 1, 1),                         -- rejected: a sign is no digit
+        (7, 'U 5', 1, 1),                         -- rejected: a space
+        (8, 'U999999999999999999', 0, 32767),     -- copied: 18 digits
+        (9, 'U9223372036854775807', 5, 5),        -- copied: the largest bigint (19 digits)
+        (10, 'U9223372036854775808', 5, 5),       -- rejected: out of range
+        (11, 'U\u{FF11}\u{FF12}', 1, 1),         -- rejected: full-width digits are no \\d
+        (12, NULL, 1, 1),                         -- rejected: null into NOT NULL
+        (13, 'U5', 12.345, 1),                    -- rejected: 1234.5 cents
+        (14, 'U5', 99999999999.99, 1),            -- copied: 9999999999999 cents
+        (15, 'U5', 1, 32768),                     -- rejected: over smallint
+        (16, 'U5', 1, -32769),                    -- rejected: under smallint
+        (17, E'U5\\n', 1, 1);                     -- rejected: `$` is the end of the text
+    INSERT INTO accounts SELECT g, 'U' || g, g / 100.0, g % 30000 FROM generate_series(100, 3099) g;";
+
+/// The migration of [`EDGES_SCHEMA`], its `extract` pattern left open.
+fn edges_file(pattern: &str) -> String {
+    format!(
+        r#"
+[migration]
+name = "accounts_v2"
+url = "${{PG_URL}}"
+source = "accounts"
+target = "accounts_v2"
+state_dir = "${{STATE_DIR}}"
+slot = "${{REFRACT_SLOT}}"
+batch_rows = 100
+
+[columns.id]
+[columns.code]
+transform = "extract"
+pattern = '{pattern}'
+reverse = "U{{}}"
+[columns.cents]
+from = "amount"
+transform = "scale"
+factor = 100
+[columns.small]
+transform = "cast"
+"#
+    )
+}
+
+#[test]
+fn the_backfill_converting_in_postgresql_copies_and_rejects_what_refract_does() {
+    // The same pattern twice: in the subset PostgreSQL is given, and with a group that keeps it
+    // out of that subset, so that refract converts every row.
+    let runs = [
+        (
+            "refract_mig_edges_db",
+            r"^U(\d+)$",
+            "converted by PostgreSQL",
+        ),
+        (
+            "refract_mig_edges_rf",
+            r"^(?:U)(\d+)$",
+            "converted by refract",
+        ),
+    ];
+    let mut results = Vec::new();
+    for (db, pattern, by) in runs {
+        let m = Migration::with_file(db, EDGES_SCHEMA, "accounts_v2", &edges_file(pattern));
+        let mut daemon = m.start();
+        let out = m.run("backfill", &[]);
+        assert!(out.status.success(), "backfill: {}", text(&out));
+        assert!(text(&out).contains(by), "{pattern}: {}", text(&out));
+        let copied = m.db.psql(
+            "SELECT string_agg(format('%s:%s:%s:%s', id, code, cents, small), ' ' ORDER BY id) \
+             FROM accounts_v2 WHERE id < 100",
+        );
+        let bulk = m.db.psql(
+            "SELECT count(*) FROM accounts a JOIN accounts_v2 v USING (id) \
+             WHERE a.id >= 100 AND v.code = a.id AND v.cents = a.amount * 100 AND v.small = a.small",
+        );
+        let rejects =
+            std::fs::read_to_string(m.state.path().join("migrate-accounts_v2/rejected.ndjson"))
+                .unwrap_or_default();
+        let mut rejected: Vec<String> = rejects
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<Value>(l).unwrap()["key"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect();
+        rejected.sort();
+        daemon.terminate();
+        results.push((copied, bulk, rejected));
+    }
+    let (copied, bulk, rejected) = &results[0];
+    assert_eq!(
+        copied,
+        "1:1:1234:1 2:7:-1:-32768 8:999999999999999999:0:32767 \
+         9:9223372036854775807:500:5 14:5:9999999999999:1"
+    );
+    assert_eq!(bulk, "3000");
+    let mut expected: Vec<String> = [3, 4, 5, 6, 7, 10, 11, 12, 13, 15, 16, 17]
+        .iter()
+        .map(|id| format!("(id={id})"))
+        .collect();
+    expected.sort();
+    assert_eq!(rejected, &expected);
+    assert_eq!(
+        results[0], results[1],
+        "PostgreSQL and refract converted differently"
+    );
 }

@@ -4,7 +4,8 @@
 //! - [`rows`]: reading rows in key order and writing them (batched upserts and deletes);
 //! - [`control`]: the control table, one row per migration, that applications and operators
 //!   read (`phase`, `read_from`, positions, timestamps);
-//! - [`backfill`]: existing rows copied in key-order chunks, race-free with the dual write;
+//! - [`backfill`]: existing rows copied in key-order chunks, race-free with the dual write,
+//!   converted by PostgreSQL itself where [`in_database`] can write the transform in SQL;
 //! - [`verify`]: counts and per-chunk checksums, then a row-by-row diff.
 //!
 //! The dual write itself is the `migration` sink ([`crate::sinks::migration`]) behind a
@@ -13,6 +14,7 @@
 pub mod backfill;
 pub mod catalog;
 pub mod control;
+pub mod in_database;
 pub mod rows;
 pub mod verify;
 

@@ -26,7 +26,7 @@ use refract_schemas::{ChangeEvent, Offset, Op, Row, TableId};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-pub use transform::{ConvertError, Transform};
+pub use transform::{ColumnRule, ConvertError, RuleKind, Transform};
 
 use crate::{OpFamily, Projection, ProjectionError, WriteOp};
 

@@ -15,6 +15,10 @@
 //! The read gives way to the applications' writers ([`share_lock`]): an application that locks
 //! rows in another order is never made a deadlock victim by the backfill.
 //!
+//! The chunk's rows are converted by PostgreSQL in the same statement that reads them when the
+//! transform can be written in SQL ([`InDatabase`]), by refract otherwise; the locking and the
+//! argument above are the same either way.
+//!
 //! So once the dual write has passed the end of the backfill, the target holds every row the
 //! source holds. The control row's `backfill_after` is the resume point: a killed backfill
 //! starts again after the last committed chunk, and a chunk written twice is harmless.
@@ -29,8 +33,10 @@ use tokio_postgres::{Client, Statement};
 
 use super::catalog::Table;
 use super::control::{Control, Phase};
+use super::in_database::InDatabase;
 use super::rows::{Reader, Writer};
 use super::{MigrationError, db};
+use crate::pg_sql::quote_ident;
 use crate::sources::postgres::share_lock::{self, Patience};
 
 /// What a backfill copies, and how fast.
@@ -60,6 +66,24 @@ pub struct BackfillProgress {
     pub total: u64,
 }
 
+/// Where a backfill's rows were converted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConvertedBy {
+    /// By PostgreSQL, in the statement that reads them ([`InDatabase`]).
+    Database,
+    /// By refract, the transform not being written in SQL (the reason is logged).
+    Refract,
+}
+
+impl std::fmt::Display for ConvertedBy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ConvertedBy::Database => "converted by PostgreSQL",
+            ConvertedBy::Refract => "converted by refract",
+        })
+    }
+}
+
 /// A row the transform could not convert: not copied.
 #[derive(Debug, Clone)]
 pub struct Rejected {
@@ -72,21 +96,21 @@ pub struct Rejected {
 /// Copies the rows after the control row's resume point; `restart` starts from the first key
 /// again. `progress` is called after each chunk, `rejected` for each row not converted.
 ///
-/// Two connections take turns: while one writes chunk k and commits it, the other reads chunk
-/// k+1 (its own transaction, its rows share-locked), so reading and converting overlap with
-/// writing. The resume point still only moves forward, chunk by chunk: chunk k+1 is written
-/// after chunk k committed. A kill loses at most the chunk being read, which nothing recorded.
+/// When the transform can be written in SQL ([`InDatabase`]), PostgreSQL converts and copies
+/// each chunk itself ([`in_database`]), and only the rows it is not sure of come to refract;
+/// otherwise every row is read, converted here and written back ([`through_refract`]).
 pub async fn run(
     clients: [&Client; 2],
     plan: &BackfillPlan<'_>,
     restart: bool,
-    mut progress: impl FnMut(BackfillProgress),
-    mut rejected: impl FnMut(&Rejected),
-) -> Result<BackfillProgress, MigrationError> {
-    let Some((mut state, mut after)) = begin(clients[0], plan, restart).await? else {
+    progress: impl FnMut(BackfillProgress),
+    rejected: impl FnMut(&Rejected),
+) -> Result<(BackfillProgress, Option<ConvertedBy>), MigrationError> {
+    let Some((state, after)) = begin(clients[0], plan, restart).await? else {
         let state = resume_state(clients[0], plan).await?;
+        let mut progress = progress;
         progress(state);
-        return Ok(state);
+        return Ok((state, None));
     };
     for client in clients {
         // A chunk's commit need not wait for its WAL flush: a server crash can lose only whole
@@ -99,56 +123,29 @@ pub async fn run(
     }
     let reader = Reader::new(plan.source, plan.transform.source_key());
     let writer = Writer::new(plan.target, plan.transform.identity());
-    let statements = [
-        Statements::prepare(clients[0], &reader, &writer, plan.control).await?,
-        Statements::prepare(clients[1], &reader, &writer, plan.control).await?,
-    ];
-    let chunk_of = |turn: usize| Turn {
-        client: clients[turn],
-        statements: &statements[turn],
+    let copy = InDatabase::compile(plan.transform, plan.source, plan.target).and_then(|sql| {
+        CopySql::new(&reader, &writer, &sql)
+            .ok_or_else(|| "a target column has no transform".to_owned())
+    });
+    let chunks = Chunks {
         reader: &reader,
         writer: &writer,
         plan,
+        throttle: Throttle::new(plan.max_rows_per_second, state.copied),
     };
-    let started = Instant::now();
-    let copied_before = state.copied;
-    let mut turn = 0;
-    let mut chunk = read_chunk(&chunk_of(turn), after.as_deref()).await?;
-    while let Some(current) = chunk {
-        for r in &current.rejected {
-            rejected(r);
+    let (state, by) = match copy {
+        Ok(sql) => {
+            tracing::info!("the backfill's rows are converted and copied by PostgreSQL");
+            let state =
+                in_database(clients[0], &chunks, &sql, state, after, progress, rejected).await?;
+            (state, ConvertedBy::Database)
         }
-        after = Some(current.last_key.clone());
-        let (reading, writing) = (chunk_of(1 - turn), chunk_of(turn));
-        let next = read_chunk(&reading, after.as_deref());
-        let write = write_chunk(&writing, &current);
-        let Some(rate) = plan.max_rows_per_second else {
-            let (next, written) = tokio::join!(next, write);
-            if let Err(e) = written {
-                // The next chunk's transaction is open on the other connection: end it too.
-                let _ = clients[1 - turn].batch_execute("ROLLBACK").await;
-                return Err(e);
-            }
-            chunk = next?;
-            turn = 1 - turn;
-            state.copied += current.rows.len() as u64;
-            state.rejected += current.rejected.len() as u64;
-            progress(state);
-            continue;
-        };
-        // Throttled: the pause comes between a commit and the next read, so that no row
-        // stays share-locked (applications' writes to it waiting) while the backfill sleeps.
-        write.await?;
-        state.copied += current.rows.len() as u64;
-        state.rejected += current.rejected.len() as u64;
-        progress(state);
-        let due = Duration::from_secs_f64((state.copied - copied_before) as f64 / f64::from(rate));
-        if let Some(wait) = due.checked_sub(started.elapsed()) {
-            tokio::time::sleep(wait).await;
+        Err(why) => {
+            tracing::info!(%why, "the backfill's rows are converted by refract: the transform is not written in SQL");
+            let state = through_refract(clients, &chunks, state, after, progress, rejected).await?;
+            (state, ConvertedBy::Refract)
         }
-        chunk = next.await?;
-        turn = 1 - turn;
-    }
+    };
     plan.control
         .update(
             clients[0],
@@ -156,6 +153,142 @@ pub async fn run(
             &[&Phase::Backfilled.name()],
         )
         .await?;
+    Ok((state, Some(by)))
+}
+
+/// What every chunk of one backfill shares.
+struct Chunks<'a> {
+    reader: &'a Reader,
+    writer: &'a Writer,
+    plan: &'a BackfillPlan<'a>,
+    throttle: Throttle,
+}
+
+/// `max_rows_per_second`, kept between chunks: the pause comes between a commit and the next
+/// read, so that no row stays share-locked (applications' writes to it waiting) while the
+/// backfill sleeps.
+struct Throttle {
+    rate: Option<u32>,
+    started: Instant,
+    copied_before: u64,
+}
+
+impl Throttle {
+    fn new(rate: Option<u32>, copied_before: u64) -> Self {
+        Self {
+            rate,
+            started: Instant::now(),
+            copied_before,
+        }
+    }
+
+    /// Sleeps until `copied` rows are due at the rate.
+    async fn pause(&self, copied: u64) {
+        let Some(rate) = self.rate else { return };
+        let due = Duration::from_secs_f64(
+            copied.saturating_sub(self.copied_before) as f64 / f64::from(rate),
+        );
+        if let Some(wait) = due.checked_sub(self.started.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+    }
+}
+
+/// The backfill with PostgreSQL converting: each chunk is one statement that share-locks the
+/// next rows, upserts the conversions it is sure of and returns the rest (and the last key);
+/// refract converts those with [`Transform::forward`](refract_projections::migration::Transform::forward),
+/// writes or rejects them, and records the chunk in the same transaction.
+async fn in_database(
+    client: &Client,
+    chunks: &Chunks<'_>,
+    sql: &CopySql,
+    mut state: BackfillProgress,
+    mut after: Option<Vec<Value>>,
+    mut progress: impl FnMut(BackfillProgress),
+    mut rejected: impl FnMut(&Rejected),
+) -> Result<BackfillProgress, MigrationError> {
+    let statements = Statements::prepare(client, chunks, [&sql.first, &sql.after]).await?;
+    let turn = Turn {
+        client,
+        statements: &statements,
+        chunks,
+    };
+    while let Some(chunk) = copy_chunk(&turn, after.as_deref()).await? {
+        for r in &chunk.rejected {
+            rejected(r);
+        }
+        write_chunk(&turn, &chunk).await?;
+        after = Some(chunk.last_key);
+        state.copied += chunk.copied;
+        state.rejected += chunk.rejected.len() as u64;
+        progress(state);
+        chunks.throttle.pause(state.copied).await;
+    }
+    Ok(state)
+}
+
+/// The backfill with refract converting every row.
+///
+/// Two connections take turns: while one writes chunk k and commits it, the other reads chunk
+/// k+1 (its own transaction, its rows share-locked), so reading and converting overlap with
+/// writing. The resume point still only moves forward, chunk by chunk: chunk k+1 is written
+/// after chunk k committed. A kill loses at most the chunk being read, which nothing recorded.
+async fn through_refract(
+    clients: [&Client; 2],
+    chunks: &Chunks<'_>,
+    mut state: BackfillProgress,
+    mut after: Option<Vec<Value>>,
+    mut progress: impl FnMut(BackfillProgress),
+    mut rejected: impl FnMut(&Rejected),
+) -> Result<BackfillProgress, MigrationError> {
+    let reads = [
+        chunks.reader.statement(false, false, true, true),
+        chunks.reader.statement(true, false, true, true),
+    ];
+    let reads = [reads[0].as_str(), reads[1].as_str()];
+    let statements = [
+        Statements::prepare(clients[0], chunks, reads).await?,
+        Statements::prepare(clients[1], chunks, reads).await?,
+    ];
+    let turn_of = |turn: usize| Turn {
+        client: clients[turn],
+        statements: &statements[turn],
+        chunks,
+    };
+    let mut turn = 0;
+    let mut chunk = read_chunk(&turn_of(turn), after.as_deref()).await?;
+    while let Some(current) = chunk {
+        for r in &current.rejected {
+            rejected(r);
+        }
+        after = Some(current.last_key.clone());
+        let (reading, writing) = (turn_of(1 - turn), turn_of(turn));
+        let next = read_chunk(&reading, after.as_deref());
+        let write = write_chunk(&writing, &current);
+        if chunks.throttle.rate.is_none() {
+            let (next, written) = tokio::join!(next, write);
+            if let Err(e) = written {
+                // The next chunk's transaction is open on the other connection: end it too.
+                let _ = clients[1 - turn].batch_execute("ROLLBACK").await;
+                return Err(e);
+            }
+            chunk = next?;
+        } else {
+            // Throttled: the next read waits for the commit and the pause ([`Throttle`]).
+            write.await?;
+            state.copied += current.copied;
+            state.rejected += current.rejected.len() as u64;
+            progress(state);
+            chunks.throttle.pause(state.copied).await;
+            chunk = next.await?;
+            turn = 1 - turn;
+            continue;
+        }
+        turn = 1 - turn;
+        state.copied += current.copied;
+        state.rejected += current.rejected.len() as u64;
+        progress(state);
+    }
     Ok(state)
 }
 
@@ -222,9 +355,12 @@ async fn resume_state(
 
 /// A chunk read and converted, its transaction still open on the connection that read it.
 struct Chunk {
+    /// Rows refract converted, still to write.
     rows: Vec<Row>,
     rejected: Vec<Rejected>,
     last_key: Vec<Value>,
+    /// Rows the chunk copies: `rows`, and those PostgreSQL wrote itself.
+    copied: u64,
 }
 
 /// What records a chunk's resume point and counts in the control row.
@@ -236,55 +372,150 @@ const RECORD_CHUNK: &str = "backfill_after = $2, rows_copied = rows_copied + $3,
 struct Statements {
     /// Begins a chunk's transaction, its lock waits short ([`share_lock`]).
     begin: String,
-    /// The first chunk (no resume point).
-    read_first: Statement,
-    /// A chunk after a key.
-    read_after: Statement,
+    /// The chunk's share-locked read (or in-database copy) of the first rows (no resume
+    /// point), and of the rows after a key.
+    first: Statement,
+    after: Statement,
     upsert: Statement,
     record: Statement,
 }
 
 impl Statements {
+    /// The statements on `client`, the chunk's read being `reads` (first, after a key).
     async fn prepare(
         client: &Client,
-        reader: &Reader,
-        writer: &Writer,
-        control: &Control,
+        chunks: &Chunks<'_>,
+        reads: [&str; 2],
     ) -> Result<Self, MigrationError> {
+        let prepare = |sql: &str| {
+            let what = format!("cannot read `{}`", chunks.plan.source.shape.table);
+            let sql = sql.to_owned();
+            async move { client.prepare(&sql).await.map_err(db(what)) }
+        };
         Ok(Self {
             begin: format!("BEGIN; {}", share_lock::set_lock_timeout(true)),
-            read_first: reader.prepare_read(client, false, true).await?,
-            read_after: reader.prepare_read(client, true, true).await?,
-            upsert: writer.prepare_upsert(client).await?,
-            record: control.prepare_update(client, RECORD_CHUNK).await?,
+            first: prepare(reads[0]).await?,
+            after: prepare(reads[1]).await?,
+            upsert: chunks.writer.prepare_upsert(client).await?,
+            record: chunks
+                .plan
+                .control
+                .prepare_update(client, RECORD_CHUNK)
+                .await?,
+        })
+    }
+
+    /// The read of the rows after `after` (from the first when `None`).
+    fn read(&self, after: Option<&[Value]>) -> &Statement {
+        match after {
+            Some(_) => &self.after,
+            None => &self.first,
+        }
+    }
+}
+
+/// The in-database copy of a chunk ([`in_database`]) as SQL: the share-locked read of the
+/// source rows (with whether the database is sure of each conversion), the upsert of those it
+/// is sure of, and what comes back: the last row, then each row it is not sure of, as
+/// [`Reader::decode`] reads them, followed by `sure`, `last` and the number of rows read.
+struct CopySql {
+    first: String,
+    after: String,
+}
+
+/// The copy's own output columns, named so that no source column is taken for them.
+const SURE: &str = "\"refract sure\"";
+const LAST: &str = "\"refract last\"";
+
+impl CopySql {
+    /// The copy for these tables; `None` when `sql` lacks a column of `writer`.
+    fn new(reader: &Reader, writer: &Writer, sql: &InDatabase) -> Option<Self> {
+        let values = sql.values_of(writer.columns())?;
+        let key_last: Vec<String> = reader
+            .key()
+            .iter()
+            .map(|k| format!("{} DESC", quote_ident(k)))
+            .collect();
+        let statement = |after: bool| {
+            let locked = reader.statement_selecting(
+                &format!("*, {} AS {SURE}", sql.sure()),
+                after,
+                false,
+                true,
+                true,
+            );
+            let copy = writer.upsert_selecting(&format!("SELECT {values} FROM src WHERE {SURE}"));
+            format!(
+                "WITH src AS ({locked}), copied AS ({copy}) \
+                 SELECT {list}, r.{SURE}, r.{LAST}, (SELECT count(*) FROM src) FROM ( \
+                   (SELECT *, true AS {LAST} FROM src ORDER BY {key_last} LIMIT 1) \
+                   UNION ALL (SELECT *, false FROM src WHERE NOT {SURE})) AS r",
+                list = reader.select_list("r."),
+                key_last = key_last.join(", "),
+            )
+        };
+        Some(Self {
+            first: statement(false),
+            after: statement(true),
         })
     }
 }
 
-/// One of the two connections, with what a chunk needs on it.
+/// One connection, with what a chunk needs on it.
 struct Turn<'a> {
     client: &'a Client,
     statements: &'a Statements,
-    reader: &'a Reader,
-    writer: &'a Writer,
-    plan: &'a BackfillPlan<'a>,
+    chunks: &'a Chunks<'a>,
 }
 
-/// The chunk's share-locked read, in a transaction begun for it, its lock waits relaxed again
-/// afterwards for the writes. The three statements go out together (one round trip, not
-/// three): a statement after a failed one fails too, and the read's error is the one returned.
-async fn locked_read(turn: &Turn<'_>, after: Option<&[Value]>) -> Result<Vec<Row>, MigrationError> {
-    let statement = match after {
-        Some(_) => &turn.statements.read_after,
-        None => &turn.statements.read_first,
-    };
-    let limit = i64::from(turn.plan.batch_rows);
+/// Runs `attempt` (a chunk's first statements, in a transaction it begins) until it does not
+/// give way to the applications' writers ([`share_lock`]): rolled back and tried again while
+/// its rows stay locked, as patient as [`Patience`].
+async fn giving_way<T, F>(
+    client: &Client,
+    mut attempt: impl FnMut() -> F,
+) -> Result<T, MigrationError>
+where
+    F: std::future::Future<Output = Result<T, MigrationError>>,
+{
+    let mut patience = Patience::default();
+    loop {
+        match attempt().await {
+            Err(e) if e.gave_way() => {
+                client
+                    .batch_execute("ROLLBACK")
+                    .await
+                    .map_err(db("cannot roll back a backfill chunk"))?;
+                if !patience.pause("a backfill chunk").await {
+                    return Err(e);
+                }
+            }
+            done => return done,
+        }
+    }
+}
+
+/// Begins a chunk's transaction and runs its read, `statement` with the resume point `after`
+/// and the chunk's size, its lock waits relaxed again afterwards for the writes. The three
+/// statements go out together (one round trip, not three): a statement after a failed one
+/// fails too, and the read's error is the one returned.
+async fn locked_read(
+    turn: &Turn<'_>,
+    after: Option<&[Value]>,
+) -> Result<Vec<tokio_postgres::Row>, MigrationError> {
+    let chunks = turn.chunks;
+    let limit = i64::from(chunks.plan.batch_rows);
     // `futures::join!` first polls the futures in the order written, and each sends its
     // statement at its first poll: the connection gets them in this order.
     let (begun, rows, relaxed) = futures::join!(
         turn.client.batch_execute(&turn.statements.begin),
-        turn.reader
-            .read_with(turn.client, statement, after, None, Some(limit)),
+        chunks.reader.query_with(
+            turn.client,
+            turn.statements.read(after),
+            after,
+            None,
+            Some(limit)
+        ),
         // The chunk's writes wait for locks as long as the session says.
         turn.client
             .batch_execute("SET LOCAL lock_timeout = DEFAULT"),
@@ -295,71 +526,106 @@ async fn locked_read(turn: &Turn<'_>, after: Option<&[Value]>) -> Result<Vec<Row
     Ok(rows)
 }
 
-/// Begins a transaction on the turn's connection and reads the next chunk after `after`,
-/// share-locked; `None` (and no transaction) when no row is left. The read gives way to the
-/// applications' writers ([`share_lock`]): rolled back and tried again when its rows stay
-/// locked.
-async fn read_chunk(
-    turn: &Turn<'_>,
-    after: Option<&[Value]>,
-) -> Result<Option<Chunk>, MigrationError> {
-    let mut patience = Patience::default();
-    let rows = loop {
-        match locked_read(turn, after).await {
-            Ok(rows) => break rows,
-            Err(e) if e.gave_way() => {
-                turn.client
-                    .batch_execute("ROLLBACK")
-                    .await
-                    .map_err(db("cannot roll back a backfill chunk"))?;
-                if !patience.pause("a backfill chunk").await {
-                    return Err(e);
-                }
-            }
-            Err(e) => return Err(e),
-        }
-    };
-    let Some(last) = rows.last() else {
-        turn.client
-            .batch_execute("ROLLBACK")
-            .await
-            .map_err(db("cannot end the backfill"))?;
-        return Ok(None);
-    };
-    let reader = turn.reader;
-    let last_key = reader.key_of(last);
-    let mut converted = Vec::with_capacity(rows.len());
+/// Ends the transaction of a chunk that found no row left.
+async fn end(turn: &Turn<'_>) -> Result<(), MigrationError> {
+    turn.client
+        .batch_execute("ROLLBACK")
+        .await
+        .map_err(db("cannot end the backfill"))
+}
+
+/// `rows` converted with the transform: those it converts, and those it rejects with why.
+fn convert<'r>(
+    chunks: &Chunks<'_>,
+    rows: impl IntoIterator<Item = &'r Row>,
+) -> (Vec<Row>, Vec<Rejected>) {
+    let mut converted = Vec::new();
     let mut rejected = Vec::new();
-    for row in &rows {
-        match turn.plan.transform.forward(row) {
+    for row in rows {
+        match chunks.plan.transform.forward(row) {
             Ok(r) => converted.push(r),
             Err(e) => rejected.push(Rejected {
-                key: key_text(row, reader.key()),
+                key: key_text(row, chunks.reader.key()),
                 reason: e.to_string(),
             }),
         }
     }
+    (converted, rejected)
+}
+
+/// Begins a transaction on the turn's connection and reads the next chunk after `after`,
+/// share-locked, converted by refract; `None` (and no transaction) when no row is left.
+async fn read_chunk(
+    turn: &Turn<'_>,
+    after: Option<&[Value]>,
+) -> Result<Option<Chunk>, MigrationError> {
+    let rows = giving_way(turn.client, || locked_read(turn, after)).await?;
+    let rows = turn.chunks.reader.decode(&rows)?;
+    let Some(last) = rows.last() else {
+        end(turn).await?;
+        return Ok(None);
+    };
+    let last_key = turn.chunks.reader.key_of(last);
+    let (converted, rejected) = convert(turn.chunks, &rows);
     Ok(Some(Chunk {
+        copied: converted.len() as u64,
         rows: converted,
         rejected,
         last_key,
     }))
 }
 
-/// Writes `chunk` and its resume point in the transaction [`read_chunk`] began on the turn's
+/// Begins a transaction on the turn's connection and copies the next chunk after `after` in
+/// the database ([`CopySql`]); the rows it was not sure of are converted by refract, still to
+/// write. `None` (and no transaction) when no row is left.
+async fn copy_chunk(
+    turn: &Turn<'_>,
+    after: Option<&[Value]>,
+) -> Result<Option<Chunk>, MigrationError> {
+    let raw = giving_way(turn.client, || locked_read(turn, after)).await?;
+    let reader = turn.chunks.reader;
+    let rows = reader.decode(&raw)?;
+    let columns = reader.width();
+    let (mut last_key, mut read, mut unsure) = (None, 0, Vec::new());
+    for (row, r) in raw.iter().zip(&rows) {
+        let (sure, last): (bool, bool) = (row.get(columns), row.get(columns + 1));
+        read = row.get::<_, i64>(columns + 2) as u64;
+        if last {
+            last_key = Some(reader.key_of(r));
+        } else if !sure {
+            unsure.push(r);
+        }
+    }
+    let Some(last_key) = last_key else {
+        end(turn).await?;
+        return Ok(None);
+    };
+    let (converted, rejected) = convert(turn.chunks, unsure);
+    Ok(Some(Chunk {
+        copied: read - rejected.len() as u64,
+        rows: converted,
+        rejected,
+        last_key,
+    }))
+}
+
+/// Writes `chunk` and its resume point in the transaction the read began on the turn's
 /// connection, and commits. The three statements go out together (one round trip): when the
 /// write or the record fails, the transaction is aborted, the `COMMIT` after it rolls back,
 /// and the first failure is the one returned, so nothing of a failed chunk stays.
 async fn write_chunk(turn: &Turn<'_>, chunk: &Chunk) -> Result<(), MigrationError> {
     let refs: Vec<&Row> = chunk.rows.iter().collect();
     let after_json = Value::Array(chunk.last_key.clone());
-    let (copied, rejected) = (chunk.rows.len() as i64, chunk.rejected.len() as i64);
+    let (copied, rejected) = (chunk.copied as i64, chunk.rejected.len() as i64);
     let record: [&(dyn ToSql + Sync); 3] = [&after_json, &copied, &rejected];
+    let chunks = turn.chunks;
     // In this order on the connection (see `locked_read`).
     let (written, recorded, committed) = futures::join!(
-        turn.writer
+        chunks
+            .writer
             .upsert_with(turn.client, &turn.statements.upsert, &refs),
-        turn.plan
+        chunks
+            .plan
             .control
             .update_with(turn.client, &turn.statements.record, &record),
         turn.client.batch_execute("COMMIT"),

@@ -74,6 +74,11 @@ impl Reader {
         }
     }
 
+    /// How many columns a row has (the select list's first columns, in table order).
+    pub(super) fn width(&self) -> usize {
+        self.select.len()
+    }
+
     /// The key columns.
     pub fn key(&self) -> &[String] {
         &self.key
@@ -90,7 +95,7 @@ impl Reader {
     /// Every column as text, `qualifier` before each (`t.`). Aliased: an output column named
     /// like a key column would be what ORDER BY sorts by, and integers sorted as text would
     /// put `10` before `9`.
-    fn select_list(&self, qualifier: &str) -> String {
+    pub(super) fn select_list(&self, qualifier: &str) -> String {
         let list: Vec<String> = self
             .table
             .shape
@@ -105,8 +110,20 @@ impl Reader {
     /// The statement reading the rows whose key is after `$after` (when `after`), at most
     /// `$through` (when `through`), in key order, at most `limit` (when given), share-locked
     /// when `lock`.
-    fn statement(&self, after: bool, through: bool, limit: bool, lock: bool) -> String {
-        let list = self.select_list("");
+    pub(super) fn statement(&self, after: bool, through: bool, limit: bool, lock: bool) -> String {
+        self.statement_selecting(&self.select_list(""), after, through, limit, lock)
+    }
+
+    /// [`Reader::statement`] selecting `list` (over the table's columns, unqualified) instead
+    /// of every column as text.
+    pub(super) fn statement_selecting(
+        &self,
+        list: &str,
+        after: bool,
+        through: bool,
+        limit: bool,
+        lock: bool,
+    ) -> String {
         let key: Vec<String> = self.key.iter().map(|k| quote_ident(k)).collect();
         let key = format!("({})", key.join(", "));
         let params = |first: usize| -> String {
@@ -223,23 +240,8 @@ impl Reader {
             .await
     }
 
-    /// Prepares on `client` the statement of [`Reader::read`] with `after` given or not, no
-    /// `through` and a `limit`, share-locking when `lock`: what a series of chunks runs again
-    /// and again (see [`Reader::read_with`]).
-    pub async fn prepare_read(
-        &self,
-        client: &impl GenericClient,
-        after: bool,
-        lock: bool,
-    ) -> Result<tokio_postgres::Statement, MigrationError> {
-        client
-            .prepare(&self.statement(after, false, true, lock))
-            .await
-            .map_err(db(format!("cannot read `{}`", self.table.shape.table)))
-    }
-
-    /// [`Reader::read`] with `statement`: its SQL text, or a statement [`Reader::prepare_read`]
-    /// prepared on `client` for the same `after`, `through` and `limit`.
+    /// [`Reader::read`] with `statement`: its SQL text, or that of [`Reader::statement`] for
+    /// the same `after`, `through` and `limit`, prepared on `client`.
     pub async fn read_with<S>(
         &self,
         client: &impl GenericClient,
@@ -248,6 +250,25 @@ impl Reader {
         through: Option<&[Value]>,
         limit: Option<i64>,
     ) -> Result<Vec<Row>, MigrationError>
+    where
+        S: ToStatement + Sync + Send + ?Sized,
+    {
+        let rows = self
+            .query_with(client, statement, after, through, limit)
+            .await?;
+        self.decode(&rows)
+    }
+
+    /// [`Reader::read_with`] without the decoding: `statement` may select more after the
+    /// columns (see [`Reader::statement_selecting`]).
+    pub(super) async fn query_with<S>(
+        &self,
+        client: &impl GenericClient,
+        statement: &S,
+        after: Option<&[Value]>,
+        through: Option<&[Value]>,
+        limit: Option<i64>,
+    ) -> Result<Vec<tokio_postgres::Row>, MigrationError>
     where
         S: ToStatement + Sync + Send + ?Sized,
     {
@@ -260,15 +281,15 @@ impl Reader {
         if let Some(limit) = &limit {
             params.push(limit);
         }
-        let rows = client
+        client
             .query(statement, &params)
             .await
-            .map_err(db(format!("cannot read `{}`", self.table.shape.table)))?;
-        self.decode(&rows)
+            .map_err(db(format!("cannot read `{}`", self.table.shape.table)))
     }
 
-    /// Rows as the select list of [`Reader::statement`] returns them, as JSON values.
-    fn decode(&self, rows: &[tokio_postgres::Row]) -> Result<Vec<Row>, MigrationError> {
+    /// Rows as the select list of [`Reader::statement`] returns them, as JSON values (columns
+    /// after that list are the caller's to read).
+    pub(super) fn decode(&self, rows: &[tokio_postgres::Row]) -> Result<Vec<Row>, MigrationError> {
         rows.iter()
             .map(|r| {
                 let values = self
@@ -301,6 +322,8 @@ pub struct Writer {
     identity: Vec<String>,
     upsert: String,
     delete: String,
+    /// `INSERT INTO table (columns)` and its `ON CONFLICT …` clause, around a row source.
+    insert: [String; 2],
 }
 
 impl Writer {
@@ -347,10 +370,10 @@ impl Writer {
             )
         };
         let identity_quoted: Vec<String> = identity.iter().map(|c| quote_ident(c)).collect();
+        let insert = format!("INSERT INTO {} ({})", table.quoted, quoted.join(", "));
+        let on_conflict = format!("ON CONFLICT ({}) {conflict}", identity_quoted.join(", "));
         let upsert = format!(
-            "INSERT INTO {table} ({cols}) SELECT {casts} FROM unnest({arrays}) AS u({cols}) \
-             ON CONFLICT ({identity}) {conflict}",
-            table = table.quoted,
+            "{insert} SELECT {casts} FROM unnest({arrays}) AS u({cols}) {on_conflict}",
             cols = quoted.join(", "),
             casts = columns
                 .iter()
@@ -358,7 +381,6 @@ impl Writer {
                 .collect::<Vec<_>>()
                 .join(", "),
             arrays = arrays(columns.len()),
-            identity = identity_quoted.join(", "),
         );
         let matches: Vec<String> = identity
             .iter()
@@ -377,7 +399,19 @@ impl Writer {
             identity: identity.to_vec(),
             upsert,
             delete,
+            insert: [insert, on_conflict],
         }
+    }
+
+    /// The columns written, in the order of [`Writer::upsert_selecting`]'s `select`.
+    pub fn columns(&self) -> &[String] {
+        &self.columns
+    }
+
+    /// The statement that upserts the rows of `select` (one column per [`Writer::columns`],
+    /// in that order) as [`Writer::upsert`] upserts its rows.
+    pub fn upsert_selecting(&self, select: &str) -> String {
+        format!("{} {select} {}", self.insert[0], self.insert[1])
     }
 
     /// The identity columns.

@@ -120,19 +120,21 @@ pub async fn run(m: Migration, restart: bool) -> Result<ExitCode, MigrateError> 
         batch_rows: m.file.migration.batch_rows,
         max_rows_per_second: m.file.migration.max_rows_per_second,
     };
-    // A second connection reads the next chunk while the first writes (see `backfill::run`).
+    // When refract converts, a second connection reads the next chunk while the first writes
+    // (see `backfill::run`).
     let second = refract_connectors::migration::connect(m.file.migration.url.expose()).await?;
     let done = backfill::run([&m.client, &second], &plan, restart, on_progress, on_reject).await;
     if let Some(bar) = &bar {
         bar.finish_and_clear();
     }
-    let done = done?;
+    let (done, by) = done?;
     m.record().await?;
     println!(
-        "backfill of `{}` into `{}` done: {} rows copied, {} not convertible{} in {:.1}s",
+        "backfill of `{}` into `{}` done: {} rows copied{}, {} not convertible{} in {:.1}s",
         m.file.migration.source,
         m.file.migration.target,
         done.copied,
+        by.map(|by| format!(" ({by})")).unwrap_or_default(),
         done.rejected,
         if done.rejected > 0 {
             format!(" (listed in {})", rejects_path.display())

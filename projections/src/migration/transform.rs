@@ -20,6 +20,45 @@ pub struct ConvertError {
     pub reason: String,
 }
 
+/// How one target column is made, as [`Transform::columns`] shows it. Null converts to null
+/// under every rule, and is refused where the target column is `NOT NULL`.
+#[derive(Debug, Clone, Copy)]
+pub struct ColumnRule<'a> {
+    /// The target column.
+    pub target: &'a str,
+    /// Its type.
+    pub target_type: ColumnType,
+    /// Whether it refuses nulls.
+    pub target_not_null: bool,
+    /// The source column it is made from.
+    pub source: &'a str,
+    /// Its type.
+    pub source_type: ColumnType,
+    /// Whether it holds no nulls.
+    pub source_not_null: bool,
+    /// How.
+    pub rule: RuleKind<'a>,
+}
+
+/// The conversion of a [`ColumnRule`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RuleKind<'a> {
+    /// The value as a value of the target type, exactly ([`cast`]; `copy` is a cast between
+    /// types of one kind).
+    Cast,
+    /// The one capture group of `pattern` (regex-lite syntax) in the value's text, cast to the
+    /// target type.
+    Extract {
+        /// The pattern as the migration file wrote it.
+        pattern: &'a str,
+    },
+    /// The number times 10^`digits`, exactly, cast to the target type.
+    Scale {
+        /// The power of ten (negative divides).
+        digits: i32,
+    },
+}
+
 /// How one target column is made.
 #[derive(Debug)]
 struct ColumnMap {
@@ -322,6 +361,26 @@ impl Transform {
             );
         }
         Ok(out)
+    }
+
+    /// Each target column and how it is made, in target column order: what a database that
+    /// converts rows itself (the backfill's in-database copy) needs to know.
+    pub fn columns(&self) -> impl Iterator<Item = ColumnRule<'_>> {
+        self.by_target.iter().map(|m| ColumnRule {
+            target: &m.target,
+            target_type: m.target_type,
+            target_not_null: m.target_not_null,
+            source: &m.source,
+            source_type: m.source_type,
+            source_not_null: m.source_not_null,
+            rule: match &m.rule {
+                Rule::Copy | Rule::Cast => RuleKind::Cast,
+                Rule::Extract { pattern, .. } => RuleKind::Extract {
+                    pattern: pattern.as_str(),
+                },
+                Rule::Scale { digits } => RuleKind::Scale { digits: *digits },
+            },
+        })
     }
 
     fn map_of_target(&self, target: &str) -> &ColumnMap {
