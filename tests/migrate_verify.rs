@@ -6,7 +6,8 @@
 //!   with its keys in another order) are not differences, integer keys are chunked in numeric
 //!   order, and a real difference among them is found with its column and both values;
 //! - the backfill converting in PostgreSQL copies and rejects exactly the rows that refract's
-//!   own conversion copies and rejects, edge values included.
+//!   own conversion copies and rejects, edge values included, and a chunk its probe wrongly
+//!   finds empty of the dual write's rows is upserted.
 
 mod common;
 
@@ -342,4 +343,103 @@ fn the_backfill_converting_in_postgresql_copies_and_rejects_what_refract_does() 
         results[0], results[1],
         "PostgreSQL and refract converted differently"
     );
+}
+
+/// The source sorts its keys byte by byte, the target in ICU's order: `B` comes before `a` in
+/// the one and after it in the other.
+const COLLATIONS_SCHEMA: &str = r#"
+    CREATE TABLE tags (code text COLLATE "C" PRIMARY KEY, v integer NOT NULL);
+    CREATE TABLE tags_v2 (code text COLLATE "und-x-icu" PRIMARY KEY, v integer NOT NULL);
+    INSERT INTO tags VALUES ('A', 1), ('B', 1), ('a', 1), ('b', 1);"#;
+
+const COLLATIONS_FILE: &str = r#"
+[migration]
+name = "tags_v2"
+url = "${PG_URL}"
+source = "tags"
+target = "tags_v2"
+state_dir = "${STATE_DIR}"
+slot = "${REFRACT_SLOT}"
+batch_rows = 100
+
+[columns.code]
+[columns.v]
+"#;
+
+/// Keys in two collations: the backfill does not probe the target for the chunk's key range
+/// (the range would be another one there), it upserts. (Seen failing before: the probe
+/// compared keys of both collations, and PostgreSQL refused to choose one.)
+#[test]
+fn keys_sorted_in_another_collation_in_the_target_are_copied() {
+    let m = Migration::with_file(
+        "refract_mig_collate",
+        COLLATIONS_SCHEMA,
+        "tags_v2",
+        COLLATIONS_FILE,
+    );
+    let mut daemon = m.start();
+    m.catch_up_with(
+        "UPDATE tags SET v = 2 WHERE code = 'B'",
+        "tags_v2",
+        "code = 'B' AND v = 2",
+    );
+    let out = m.run("backfill", &[]);
+    assert!(out.status.success(), "backfill: {}", text(&out));
+    assert!(
+        text(&out).contains("converted by PostgreSQL"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(
+        m.db.psql("SELECT string_agg(code || v, ' ' ORDER BY code COLLATE \"C\") FROM tags_v2"),
+        "A1 B2 a1 b1"
+    );
+    daemon.terminate();
+}
+
+/// A chunk whose plain `INSERT` meets a row another transaction inserted after the chunk's
+/// probe of the target (the dual write, here a session standing in for it, its `INSERT` not
+/// yet committed when the probe looks) is copied again with upserts, and the row ends with the
+/// source's value. (Seen failing without the second copy: the backfill stopped on the primary
+/// key of `tags_v2`.)
+#[test]
+fn a_chunk_meeting_a_row_inserted_after_its_probe_is_copied_again_with_upserts() {
+    let schema = COLLATIONS_SCHEMA.replace(r#"COLLATE "und-x-icu" "#, r#"COLLATE "C" "#);
+    let m = Migration::with_file("refract_mig_probe", &schema, "tags_v2", COLLATIONS_FILE);
+    // The backfill's lock waits last a fifth of this: long enough for the session's commit
+    // below to come while the chunk waits, rather than after it gave way.
+    m.db.psql(&format!(
+        "ALTER DATABASE refract_mig_probe SET deadlock_timeout = '{}s'",
+        common::pg::hang_guard().as_secs()
+    ));
+    let mut daemon = m.start();
+    let mut early = common::pg::Session::open_at(&m.db.url(), "early_insert");
+    early.run("BEGIN; INSERT INTO tags_v2 VALUES ('B', 7);");
+    let backfill = m
+        .command("backfill", &[])
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    m.wait_for("the chunk's INSERT to wait for the session's row", || {
+        m.db.psql(&format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = 'refract_mig_probe' \
+             AND wait_event_type = 'Lock' AND pid <> {}",
+            early.pid
+        )) != "0"
+    });
+    early.run("COMMIT;");
+    let out = backfill.wait_with_output().unwrap();
+    assert!(out.status.success(), "backfill: {}", text(&out));
+    assert!(
+        text(&out).contains("copied again with upserts"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(
+        m.db.psql("SELECT string_agg(code || v, ' ' ORDER BY code) FROM tags_v2"),
+        "A1 B1 a1 b1"
+    );
+    daemon.terminate();
 }

@@ -38,6 +38,8 @@ pub enum MigrationError {
         /// [`share_lock`](crate::sources::postgres::share_lock)): it rolled back and may be
         /// run again at once.
         gave_way: bool,
+        /// Whether a unique index refused a row.
+        unique_violation: bool,
     },
     /// The migration cannot go on as asked (a phase out of order, a table that does not fit).
     #[error("{0}")]
@@ -48,6 +50,17 @@ impl MigrationError {
     /// Whether the statement gave way to another transaction's lock.
     pub fn gave_way(&self) -> bool {
         matches!(self, MigrationError::Database { gave_way: true, .. })
+    }
+
+    /// Whether a unique index refused a row.
+    pub fn is_unique_violation(&self) -> bool {
+        matches!(
+            self,
+            MigrationError::Database {
+                unique_violation: true,
+                ..
+            }
+        )
     }
 
     /// Whether trying again may succeed.
@@ -75,6 +88,7 @@ pub fn db(what: impl Into<String>) -> impl FnOnce(tokio_postgres::Error) -> Migr
             message: error_text(&e),
             transient,
             gave_way: share_lock::gave_way(&e),
+            unique_violation: e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION),
         }
     }
 }

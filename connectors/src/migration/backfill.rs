@@ -123,16 +123,15 @@ pub async fn run(
     }
     let reader = Reader::new(plan.source, plan.transform.source_key());
     let writer = Writer::new(plan.target, plan.transform.identity());
-    let copy = InDatabase::compile(plan.transform, plan.source, plan.target).and_then(|sql| {
-        CopySql::new(&reader, &writer, &sql)
-            .ok_or_else(|| "a target column has no transform".to_owned())
-    });
     let chunks = Chunks {
         reader: &reader,
         writer: &writer,
         plan,
         throttle: Throttle::new(plan.max_rows_per_second, state.copied),
     };
+    let copy = InDatabase::compile(plan.transform, plan.source, plan.target).and_then(|sql| {
+        CopySql::new(&chunks, &sql).ok_or_else(|| "a target column has no transform".to_owned())
+    });
     let (state, by) = match copy {
         Ok(sql) => {
             tracing::info!("the backfill's rows are converted and copied by PostgreSQL");
@@ -207,7 +206,7 @@ async fn in_database(
     mut progress: impl FnMut(BackfillProgress),
     mut rejected: impl FnMut(&Rejected),
 ) -> Result<BackfillProgress, MigrationError> {
-    let statements = Statements::prepare(client, chunks, [&sql.first, &sql.after]).await?;
+    let statements = Statements::prepare(client, chunks, &sql.reads, sql.again.as_ref()).await?;
     let turn = Turn {
         client,
         statements: &statements,
@@ -245,10 +244,9 @@ async fn through_refract(
         chunks.reader.statement(false, false, true, true),
         chunks.reader.statement(true, false, true, true),
     ];
-    let reads = [reads[0].as_str(), reads[1].as_str()];
     let statements = [
-        Statements::prepare(clients[0], chunks, reads).await?,
-        Statements::prepare(clients[1], chunks, reads).await?,
+        Statements::prepare(clients[0], chunks, &reads, None).await?,
+        Statements::prepare(clients[1], chunks, &reads, None).await?,
     ];
     let turn_of = |turn: usize| Turn {
         client: clients[turn],
@@ -374,28 +372,39 @@ struct Statements {
     begin: String,
     /// The chunk's share-locked read (or in-database copy) of the first rows (no resume
     /// point), and of the rows after a key.
-    first: Statement,
-    after: Statement,
+    read: [Statement; 2],
+    /// The in-database copy that upserts every row ([`CopySql`]'s `again`).
+    again: Option<[Statement; 2]>,
     upsert: Statement,
     record: Statement,
 }
 
 impl Statements {
-    /// The statements on `client`, the chunk's read being `reads` (first, after a key).
+    /// The statements on `client`, the chunk's read being `reads` (first, after a key), and
+    /// `again` its in-database copy upserting every row.
     async fn prepare(
         client: &Client,
         chunks: &Chunks<'_>,
-        reads: [&str; 2],
+        reads: &[String; 2],
+        again: Option<&[String; 2]>,
     ) -> Result<Self, MigrationError> {
-        let prepare = |sql: &str| {
+        let prepare = |sql: &[String; 2]| {
             let what = format!("cannot read `{}`", chunks.plan.source.shape.table);
-            let sql = sql.to_owned();
-            async move { client.prepare(&sql).await.map_err(db(what)) }
+            let sql = sql.clone();
+            async move {
+                Ok::<_, MigrationError>([
+                    client.prepare(&sql[0]).await.map_err(db(what.clone()))?,
+                    client.prepare(&sql[1]).await.map_err(db(what))?,
+                ])
+            }
         };
         Ok(Self {
             begin: format!("BEGIN; {}", share_lock::set_lock_timeout(true)),
-            first: prepare(reads[0]).await?,
-            after: prepare(reads[1]).await?,
+            read: prepare(reads).await?,
+            again: match again {
+                Some(again) => Some(prepare(again).await?),
+                None => None,
+            },
             upsert: chunks.writer.prepare_upsert(client).await?,
             record: chunks
                 .plan
@@ -404,23 +413,30 @@ impl Statements {
                 .await?,
         })
     }
+}
 
-    /// The read of the rows after `after` (from the first when `None`).
-    fn read(&self, after: Option<&[Value]>) -> &Statement {
-        match after {
-            Some(_) => &self.after,
-            None => &self.first,
-        }
-    }
+/// Of a pair of statements (first rows, rows after a key), the one for `after`.
+fn for_rows<'a>(pair: &'a [Statement; 2], after: Option<&[Value]>) -> &'a Statement {
+    &pair[usize::from(after.is_some())]
 }
 
 /// The in-database copy of a chunk ([`in_database`]) as SQL: the share-locked read of the
-/// source rows (with whether the database is sure of each conversion), the upsert of those it
+/// source rows (with whether the database is sure of each conversion), the write of those it
 /// is sure of, and what comes back: the last row, then each row it is not sure of, as
 /// [`Reader::decode`] reads them, followed by `sure`, `last` and the number of rows read.
+///
+/// The write is a plain `INSERT` when the target holds no row in the chunk's key range (an
+/// index probe), an upsert otherwise: an upsert costs PostgreSQL about half as much again per
+/// row (a speculative insertion), and the range is empty unless the dual write got there first.
+/// A row the dual write inserts in the range after the probe makes the `INSERT` fail on the
+/// identity index; the chunk is then copied again with `again`, which upserts every row. So
+/// the probe decides the cost, never the result. It is only made where the identity sorts as
+/// the source key does (same kinds of types, same collations); elsewhere every chunk upserts.
 struct CopySql {
-    first: String,
-    after: String,
+    /// The chunk's copy, of the first rows and of the rows after a key.
+    reads: [String; 2],
+    /// The copy that upserts every row, when `reads` may insert.
+    again: Option<[String; 2]>,
 }
 
 /// The copy's own output columns, named so that no source column is taken for them.
@@ -429,14 +445,17 @@ const LAST: &str = "\"refract last\"";
 
 impl CopySql {
     /// The copy for these tables; `None` when `sql` lacks a column of `writer`.
-    fn new(reader: &Reader, writer: &Writer, sql: &InDatabase) -> Option<Self> {
+    fn new(chunks: &Chunks<'_>, sql: &InDatabase) -> Option<Self> {
+        let (reader, writer) = (chunks.reader, chunks.writer);
         let values = sql.values_of(writer.columns())?;
         let key_last: Vec<String> = reader
             .key()
             .iter()
             .map(|k| format!("{} DESC", quote_ident(k)))
             .collect();
-        let statement = |after: bool| {
+        let key_last = key_last.join(", ");
+        let sure_rows = format!("SELECT {values} FROM src WHERE {SURE}");
+        let statement = |after: bool, writes: &str| {
             let locked = reader.statement_selecting(
                 &format!("*, {} AS {SURE}", sql.sure()),
                 after,
@@ -444,19 +463,72 @@ impl CopySql {
                 true,
                 true,
             );
-            let copy = writer.upsert_selecting(&format!("SELECT {values} FROM src WHERE {SURE}"));
             format!(
-                "WITH src AS ({locked}), copied AS ({copy}) \
+                "WITH src AS ({locked}), {writes} \
                  SELECT {list}, r.{SURE}, r.{LAST}, (SELECT count(*) FROM src) FROM ( \
                    (SELECT *, true AS {LAST} FROM src ORDER BY {key_last} LIMIT 1) \
                    UNION ALL (SELECT *, false FROM src WHERE NOT {SURE})) AS r",
                 list = reader.select_list("r."),
-                key_last = key_last.join(", "),
+            )
+        };
+        let upsert = format!("copied AS ({})", writer.upsert_selecting(&sure_rows));
+        let upserts = [statement(false, &upsert), statement(true, &upsert)];
+        let (source, target) = (chunks.plan.source, chunks.plan.target);
+        let same_collations = reader
+            .key()
+            .iter()
+            .zip(writer.identity())
+            .all(|(k, i)| source.collation(k) == target.collation(i));
+        if chunks.plan.transform.key_order_changes().is_some() || !same_collations {
+            return Some(Self {
+                reads: upserts,
+                again: None,
+            });
+        }
+        let identity: Vec<(String, &str)> = writer
+            .identity()
+            .iter()
+            .map(|c| (quote_ident(c), target.type_name(c).unwrap_or("text")))
+            .collect();
+        let names: Vec<&str> = identity.iter().map(|(n, _)| n.as_str()).collect();
+        let names = names.join(", ");
+        let last: Vec<String> = reader
+            .key()
+            .iter()
+            .zip(&identity)
+            .map(|(k, (_, t))| format!("{}::{t}", quote_ident(k)))
+            .collect();
+        let through = format!(
+            "({names}) <= (SELECT {} FROM src ORDER BY {key_last} LIMIT 1)",
+            last.join(", ")
+        );
+        let probe = |after: bool| {
+            let range = if after {
+                // The resume point is the read's parameters $1, $2, ….
+                let params: Vec<String> = identity
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (_, t))| format!("${}::text::{t}", i + 1))
+                    .collect();
+                format!("({names}) > ({}) AND {through}", params.join(", "))
+            } else {
+                through.clone()
+            };
+            format!(
+                "present AS (SELECT EXISTS (SELECT 1 FROM {} WHERE {range}) AS found), \
+                 fresh AS ({}), copied AS ({})",
+                target.quoted,
+                writer
+                    .insert_selecting(&format!("{sure_rows} AND NOT (SELECT found FROM present)")),
+                writer.upsert_selecting(&format!("{sure_rows} AND (SELECT found FROM present)")),
             )
         };
         Some(Self {
-            first: statement(false),
-            after: statement(true),
+            reads: [
+                statement(false, &probe(false)),
+                statement(true, &probe(true)),
+            ],
+            again: Some(upserts),
         })
     }
 }
@@ -501,6 +573,7 @@ where
 /// fails too, and the read's error is the one returned.
 async fn locked_read(
     turn: &Turn<'_>,
+    statements: &[Statement; 2],
     after: Option<&[Value]>,
 ) -> Result<Vec<tokio_postgres::Row>, MigrationError> {
     let chunks = turn.chunks;
@@ -511,7 +584,7 @@ async fn locked_read(
         turn.client.batch_execute(&turn.statements.begin),
         chunks.reader.query_with(
             turn.client,
-            turn.statements.read(after),
+            for_rows(statements, after),
             after,
             None,
             Some(limit)
@@ -526,7 +599,7 @@ async fn locked_read(
     Ok(rows)
 }
 
-/// Ends the transaction of a chunk that found no row left.
+/// Ends the transaction of a chunk that found no row left (or failed).
 async fn end(turn: &Turn<'_>) -> Result<(), MigrationError> {
     turn.client
         .batch_execute("ROLLBACK")
@@ -559,7 +632,8 @@ async fn read_chunk(
     turn: &Turn<'_>,
     after: Option<&[Value]>,
 ) -> Result<Option<Chunk>, MigrationError> {
-    let rows = giving_way(turn.client, || locked_read(turn, after)).await?;
+    let read = &turn.statements.read;
+    let rows = giving_way(turn.client, || locked_read(turn, read, after)).await?;
     let rows = turn.chunks.reader.decode(&rows)?;
     let Some(last) = rows.last() else {
         end(turn).await?;
@@ -576,13 +650,29 @@ async fn read_chunk(
 }
 
 /// Begins a transaction on the turn's connection and copies the next chunk after `after` in
-/// the database ([`CopySql`]); the rows it was not sure of are converted by refract, still to
-/// write. `None` (and no transaction) when no row is left.
+/// the database ([`CopySql`], again with its upserts when its insert met a row of the dual
+/// write); the rows it was not sure of are converted by refract, still to write. `None` (and
+/// no transaction) when no row is left.
 async fn copy_chunk(
     turn: &Turn<'_>,
     after: Option<&[Value]>,
 ) -> Result<Option<Chunk>, MigrationError> {
-    let raw = giving_way(turn.client, || locked_read(turn, after)).await?;
+    let read = &turn.statements.read;
+    let raw = match (
+        giving_way(turn.client, || locked_read(turn, read, after)).await,
+        &turn.statements.again,
+    ) {
+        // The dual write inserted a row of the chunk after the probe: upsert them all.
+        (Err(e), Some(again)) if e.is_unique_violation() => {
+            tracing::info!(
+                after = ?after,
+                "a chunk met a row the dual write inserted after its probe: copied again with upserts"
+            );
+            end(turn).await?;
+            giving_way(turn.client, || locked_read(turn, again, after)).await?
+        }
+        (raw, _) => raw?,
+    };
     let reader = turn.chunks.reader;
     let rows = reader.decode(&raw)?;
     let columns = reader.width();

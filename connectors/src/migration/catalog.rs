@@ -18,6 +18,8 @@ pub struct Table {
     pub shape: TableShape,
     /// Each column's type OID, in the order of `shape.columns`.
     pub oids: Vec<u32>,
+    /// Each column's collation OID (0 where the type has none), in the same order.
+    pub collations: Vec<u32>,
     /// The table quoted for SQL.
     pub quoted: String,
 }
@@ -27,6 +29,12 @@ impl Table {
     pub fn oid(&self, name: &str) -> Option<u32> {
         let i = self.shape.columns.iter().position(|c| c.name == name)?;
         Some(self.oids[i])
+    }
+
+    /// The collation OID of column `name` (0 where its type has none).
+    pub fn collation(&self, name: &str) -> Option<u32> {
+        let i = self.shape.columns.iter().position(|c| c.name == name)?;
+        Some(self.collations[i])
     }
 
     /// The `format_type` text of column `name` (what values are cast to when written).
@@ -41,7 +49,7 @@ pub async fn read_table(client: &Client, table: &str) -> Result<Table, Migration
     let columns = client
         .query(
             "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull, \
-                    a.atttypid::oid \
+                    a.atttypid::oid, a.attcollation::oid \
              FROM pg_attribute a \
              WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped \
              ORDER BY a.attnum",
@@ -86,6 +94,7 @@ pub async fn read_table(client: &Client, table: &str) -> Result<Table, Migration
     Ok(Table {
         shape,
         oids: columns.iter().map(|r| r.get(3)).collect(),
+        collations: columns.iter().map(|r| r.get(4)).collect(),
         quoted,
     })
 }

@@ -408,6 +408,12 @@ impl Writer {
         &self.columns
     }
 
+    /// The statement that inserts the rows of `select` (as [`Writer::upsert_selecting`]),
+    /// failing on a row whose identity the table holds already.
+    pub fn insert_selecting(&self, select: &str) -> String {
+        format!("{} {select}", self.insert[0])
+    }
+
     /// The statement that upserts the rows of `select` (one column per [`Writer::columns`],
     /// in that order) as [`Writer::upsert`] upserts its rows.
     pub fn upsert_selecting(&self, select: &str) -> String {
