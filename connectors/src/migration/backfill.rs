@@ -193,10 +193,13 @@ impl Throttle {
     }
 }
 
-/// The backfill with PostgreSQL converting: each chunk is one statement that share-locks the
-/// next rows, upserts the conversions it is sure of and returns the rest (and the last key);
-/// refract converts those with [`Transform::forward`](refract_projections::migration::Transform::forward),
-/// writes or rejects them, and records the chunk in the same transaction.
+/// The backfill with PostgreSQL converting: each chunk is one statement ([`CopySql`]) that
+/// share-locks the next rows, writes the conversions it is sure of and returns the rest (and
+/// the last key); refract converts those with
+/// [`Transform::forward`](refract_projections::migration::Transform::forward), writes or
+/// rejects them, and records the chunk in the same transaction. The statement's writes wait
+/// for locks as briefly as its read: a chunk that meets rows the dual write holds gives way
+/// and is tried again, as one that meets an application's.
 async fn in_database(
     client: &Client,
     chunks: &Chunks<'_>,
