@@ -131,8 +131,8 @@ fn column(
             };
             match c.target_type {
                 ColumnType::Integer { max } => {
-                    // No group of digits converts into an integer, and more than
-                    // SURE_INTEGER_DIGITS might not fit: refract decides those.
+                    // An empty group is no integer, and a group of more than
+                    // SURE_INTEGER_DIGITS digits might not fit: refract decides those.
                     let most = p.most.map_or(SURE_INTEGER_DIGITS as u32, |m| {
                         m.min(SURE_INTEGER_DIGITS as u32)
                     });
