@@ -33,6 +33,15 @@ fn verify(m: &Migration, extra: &[&str]) -> (bool, Value) {
     (out.status.success(), report)
 }
 
+/// Runs `backfill` to its end, which must succeed with its rows converted `by` PostgreSQL or
+/// refract (as it prints).
+fn backfill_converted(m: &Migration, by: &str) {
+    let out = m.run("backfill", &[]);
+    assert!(out.status.success(), "backfill: {}", text(&out));
+    let by = format!("converted by {by}");
+    assert!(text(&out).contains(&by), "not {by}: {}", text(&out));
+}
+
 /// The differences of a report of `kind`, by key.
 fn keys_of(report: &Value, kind: &str) -> Vec<String> {
     report["differences"]
@@ -175,14 +184,8 @@ transform = "cast"
 fn equal_values_written_differently_are_equal_and_integer_keys_chunk_in_order() {
     let m = Migration::with_file("refract_mig_traps", TRAPS_SCHEMA, "items_v2", TRAPS_FILE);
     let mut daemon = m.start();
-    let out = m.run("backfill", &[]);
-    assert!(out.status.success(), "backfill: {}", text(&out));
     // Text to an instant has no exact SQL here: these rows go through refract.
-    assert!(
-        text(&out).contains("converted by refract"),
-        "{}",
-        text(&out)
-    );
+    backfill_converted(&m, "refract");
     // The same values, written differently: `2.0` for `2.50`'s neighbour `2.00`, the instant
     // written in another zone (the source has it as text with +02), the JSON keys reordered.
     m.db.psql(
@@ -284,24 +287,14 @@ fn the_backfill_converting_in_postgresql_copies_and_rejects_what_refract_does() 
     // The same pattern twice: in the subset PostgreSQL is given, and with a group that keeps it
     // out of that subset, so that refract converts every row.
     let runs = [
-        (
-            "refract_mig_edges_db",
-            r"^U(\d+)$",
-            "converted by PostgreSQL",
-        ),
-        (
-            "refract_mig_edges_rf",
-            r"^(?:U)(\d+)$",
-            "converted by refract",
-        ),
+        ("refract_mig_edges_db", r"^U(\d+)$", "PostgreSQL"),
+        ("refract_mig_edges_rf", r"^(?:U)(\d+)$", "refract"),
     ];
     let mut results = Vec::new();
     for (db, pattern, by) in runs {
         let m = Migration::with_file(db, EDGES_SCHEMA, "accounts_v2", &edges_file(pattern));
         let mut daemon = m.start();
-        let out = m.run("backfill", &[]);
-        assert!(out.status.success(), "backfill: {}", text(&out));
-        assert!(text(&out).contains(by), "{pattern}: {}", text(&out));
+        backfill_converted(&m, by);
         let copied = m.db.psql(
             "SELECT string_agg(format('%s:%s:%s:%s', id, code, cents, small), ' ' ORDER BY id) \
              FROM accounts_v2 WHERE id < 100",
@@ -383,13 +376,7 @@ fn keys_sorted_in_another_collation_in_the_target_are_copied() {
         "tags_v2",
         "code = 'B' AND v = 2",
     );
-    let out = m.run("backfill", &[]);
-    assert!(out.status.success(), "backfill: {}", text(&out));
-    assert!(
-        text(&out).contains("converted by PostgreSQL"),
-        "{}",
-        text(&out)
-    );
+    backfill_converted(&m, "PostgreSQL");
     assert_eq!(
         m.db.psql("SELECT string_agg(code || v, ' ' ORDER BY code COLLATE \"C\") FROM tags_v2"),
         "A1 B2 a1 b1"

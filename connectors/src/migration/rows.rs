@@ -236,31 +236,15 @@ impl Reader {
         lock: bool,
     ) -> Result<Vec<Row>, MigrationError> {
         let sql = self.statement(after.is_some(), through.is_some(), limit.is_some(), lock);
-        self.read_with(client, sql.as_str(), after, through, limit)
-            .await
-    }
-
-    /// [`Reader::read`] with `statement`: its SQL text, or that of [`Reader::statement`] for
-    /// the same `after`, `through` and `limit`, prepared on `client`.
-    pub async fn read_with<S>(
-        &self,
-        client: &impl GenericClient,
-        statement: &S,
-        after: Option<&[Value]>,
-        through: Option<&[Value]>,
-        limit: Option<i64>,
-    ) -> Result<Vec<Row>, MigrationError>
-    where
-        S: ToStatement + Sync + Send + ?Sized,
-    {
         let rows = self
-            .query_with(client, statement, after, through, limit)
+            .query_with(client, sql.as_str(), after, through, limit)
             .await?;
         self.decode(&rows)
     }
 
-    /// [`Reader::read_with`] without the decoding: `statement` may select more after the
-    /// columns (see [`Reader::statement_selecting`]).
+    /// [`Reader::read`] with `statement` (its SQL text, or that of [`Reader::statement`] for
+    /// the same `after`, `through` and `limit`, prepared on `client`), without the decoding:
+    /// `statement` may select more after the columns (see [`Reader::statement_selecting`]).
     pub(super) async fn query_with<S>(
         &self,
         client: &impl GenericClient,
