@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::cache::*;
-use common::pg::{Cleanup, catch_up};
+use common::pg::{Cleanup, catch_up, pin_wal};
 use common::{Rng, Running, refract};
 
 fn exists(conn: &mut dyn redis::ConnectionLike, key: &str) -> bool {
@@ -207,6 +207,8 @@ fn redis_down(flavor: Flavor) {
     let mut pg = pg_client();
     pg.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
         .unwrap();
+    // The commits are read back from the WAL at the end, after the daemon has confirmed them.
+    pin_wal(t);
     let start_lsn: String = pg
         .query_one("SELECT pg_current_wal_lsn()::text", &[])
         .unwrap()

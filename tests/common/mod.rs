@@ -505,9 +505,21 @@ sinks = [{sinks}]
         ));
     }
 
-    /// Drops slot `refract_{name}` and publication `refract_{name}` (and the listed tables) when
-    /// dropped itself, also when the test fails: a leftover slot retains WAL. Declare it before
-    /// any process or session that uses them, so it is dropped after them.
+    /// Keeps the WAL from now on until the test's `Cleanup` drops it, with a physical slot
+    /// `refract_{name}_pin` reserving it at once. A test that reads its transactions back from
+    /// the WAL (pg_walinspect) needs it: once the pipeline's own slot has confirmed them, a
+    /// checkpoint may remove their segments, and on a busy cluster (CI runs tests side by side)
+    /// one does before the test reads them.
+    pub fn pin_wal(name: &str) {
+        psql(&format!(
+            "SELECT pg_create_physical_replication_slot('refract_{name}_pin', true)"
+        ));
+    }
+
+    /// Drops slot `refract_{name}` and publication `refract_{name}` (and the listed tables, and
+    /// the slot of [`pin_wal`]) when dropped itself, also when the test fails: a leftover slot
+    /// retains WAL. Declare it before any process or session that uses them, so it is dropped
+    /// after them.
     pub struct Cleanup {
         pub name: String,
         pub tables: Vec<String>,
@@ -530,7 +542,8 @@ sinks = [{sinks}]
                 "SET lock_timeout = '20s';
                  SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
                    WHERE slot_name = 'refract_{name}' AND active_pid IS NOT NULL;
-                 SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = 'refract_{name}';
+                 SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+                   WHERE slot_name IN ('refract_{name}', 'refract_{name}_pin');
                  DROP PUBLICATION IF EXISTS refract_{name};"
             );
             for table in &self.tables {
