@@ -338,6 +338,41 @@ fn the_backfill_converting_in_postgresql_copies_and_rejects_what_refract_does() 
     );
 }
 
+/// Text longer than its target column: rejected with its reason, never cut. (Seen failing
+/// before: the writer cast each value to `character varying(5)`, which cuts, and `abcdef`
+/// arrived as `abcde`.)
+#[test]
+fn a_text_longer_than_its_target_column_is_rejected_not_cut() {
+    let schema = "
+        CREATE TABLE notes (id integer PRIMARY KEY, body text NOT NULL);
+        CREATE TABLE notes_v2 (id integer PRIMARY KEY, body character varying(5) NOT NULL);
+        INSERT INTO notes VALUES (1, 'abcde'), (2, 'abcdef'), (3, 'ééééé'), (4, 'éééééé'),
+                                 (5, 'abcd  ');";
+    let file = COLLATIONS_FILE
+        .replace("tags", "notes")
+        .replace("[columns.code]\n[columns.v]", "[columns.id]\n[columns.body]\ntransform = \"cast\"");
+    let m = Migration::with_file("refract_mig_long", schema, "notes_v2", &file);
+    let mut daemon = m.start();
+    backfill_converted(&m, "refract");
+    assert_eq!(
+        m.db.psql("SELECT string_agg(id || ':' || body, ' ' ORDER BY id) FROM notes_v2"),
+        "1:abcde 3:ééééé"
+    );
+    let rejects =
+        std::fs::read_to_string(m.state.path().join("migrate-notes_v2/rejected.ndjson")).unwrap();
+    let rejected: Vec<Value> = rejects
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let keys: Vec<&str> = rejected.iter().map(|r| r["key"].as_str().unwrap()).collect();
+    assert_eq!(keys, ["(id=2)", "(id=4)", "(id=5)"], "{rejects}");
+    assert!(
+        rejects.contains("`abcdef` is longer than 5 characters: it would be cut"),
+        "{rejects}"
+    );
+    daemon.terminate();
+}
+
 /// The source sorts its keys byte by byte, the target in ICU's order: `B` comes before `a` in
 /// the one and after it in the other.
 const COLLATIONS_SCHEMA: &str = r#"

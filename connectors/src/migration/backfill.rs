@@ -491,7 +491,7 @@ impl CopySql {
         let identity: Vec<(String, &str)> = writer
             .identity()
             .iter()
-            .map(|c| (quote_ident(c), target.type_name(c).unwrap_or("text")))
+            .map(|c| (quote_ident(c), target.cast_type(c)))
             .collect();
         let names: Vec<&str> = identity.iter().map(|(n, _)| n.as_str()).collect();
         let names = names.join(", ");

@@ -20,6 +20,11 @@ pub struct Table {
     pub oids: Vec<u32>,
     /// Each column's collation OID (0 where the type has none), in the same order.
     pub collations: Vec<u32>,
+    /// Each column's type as values are cast to it, in the same order: its name without the
+    /// modifier (`"pg_catalog"."varchar"`, not `character varying(20)`). A cast to the full
+    /// type would cut a longer text, or a bit string, without a word; assigned to the column,
+    /// the value is held to the modifier, and a value too long is refused.
+    pub casts: Vec<String>,
     /// The table quoted for SQL.
     pub quoted: String,
 }
@@ -37,9 +42,16 @@ impl Table {
         Some(self.collations[i])
     }
 
-    /// The `format_type` text of column `name` (what values are cast to when written).
+    /// The `format_type` text of column `name` (`character varying(20)`).
     pub fn type_name(&self, name: &str) -> Option<&str> {
         self.shape.column(name).map(|c| c.type_name.as_str())
+    }
+
+    /// The type values of column `name` are cast to (see [`Table::casts`]); `text` for a
+    /// column the table does not have.
+    pub fn cast_type(&self, name: &str) -> &str {
+        let i = self.shape.columns.iter().position(|c| c.name == name);
+        i.map_or("text", |i| self.casts[i].as_str())
     }
 }
 
@@ -49,8 +61,11 @@ pub async fn read_table(client: &Client, table: &str) -> Result<Table, Migration
     let columns = client
         .query(
             "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull, \
-                    a.atttypid::oid, a.attcollation::oid \
+                    a.atttypid::oid, a.attcollation::oid, \
+                    quote_ident(tn.nspname) || '.' || quote_ident(t.typname) \
              FROM pg_attribute a \
+             JOIN pg_type t ON t.oid = a.atttypid \
+             JOIN pg_namespace tn ON tn.oid = t.typnamespace \
              WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped \
              ORDER BY a.attnum",
             &[&quoted],
@@ -95,6 +110,7 @@ pub async fn read_table(client: &Client, table: &str) -> Result<Table, Migration
         shape,
         oids: columns.iter().map(|r| r.get(3)).collect(),
         collations: columns.iter().map(|r| r.get(4)).collect(),
+        casts: columns.iter().map(|r| r.get(5)).collect(),
         quoted,
     })
 }

@@ -132,11 +132,7 @@ impl Reader {
                 .iter()
                 .enumerate()
                 .map(|(i, k)| {
-                    format!(
-                        "${}::text::{}",
-                        first + i,
-                        self.table.type_name(k).unwrap_or("text")
-                    )
+                    format!("${}::text::{}", first + i, self.table.cast_type(k))
                 })
                 .collect();
             format!("({})", p.join(", "))
@@ -192,7 +188,7 @@ impl Reader {
                 format!(
                     "t.{} = u.k{i}::{}",
                     quote_ident(k),
-                    self.table.type_name(k).unwrap_or("text")
+                    self.table.cast_type(k)
                 )
             })
             .collect();
@@ -316,11 +312,7 @@ impl Writer {
     pub fn new(table: &Table, identity: &[String]) -> Self {
         let columns: Vec<String> = table.shape.columns.iter().map(|c| c.name.clone()).collect();
         let cast = |alias: &str, c: &str| {
-            format!(
-                "{alias}.{}::{}",
-                quote_ident(c),
-                table.type_name(c).unwrap_or("text")
-            )
+            format!("{alias}.{}::{}", quote_ident(c), table.cast_type(c))
         };
         let arrays = |n: usize| -> String {
             (1..=n)

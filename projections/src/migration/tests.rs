@@ -6,7 +6,7 @@ use refract_schemas::config::{
 };
 use serde_json::json;
 
-use super::value::{ColumnType, canonical, shift_decimal};
+use super::value::{ColumnType, canonical, char_limit, shift_decimal};
 use super::*;
 use crate::test_support::event;
 
@@ -148,6 +148,46 @@ fn values_the_transform_cannot_convert_are_refused_with_the_column() {
         let err = t.forward(&row).unwrap_err();
         assert_eq!(err.column, column, "{user} {amount}: {err}");
     }
+}
+
+/// Text longer than a `character varying(n)` or `character(n)` column is refused, both ways:
+/// PostgreSQL would cut it where it is cast, and refuse it where it is assigned. Characters
+/// are counted, not bytes.
+#[test]
+fn text_longer_than_its_column_is_refused_not_cut() {
+    let mut c = config();
+    let narrow = |shape: &mut TableShape, name: &str, type_name: &str| {
+        let column = shape.columns.iter_mut().find(|c| c.name == name).unwrap();
+        column.type_name = type_name.into();
+    };
+    narrow(&mut c.target_shape, "status", "character varying(6)");
+    narrow(&mut c.source_shape, "region", "character(2)");
+    let t = Transform::new(&c.migration, &c.source_shape, &c.target_shape).unwrap();
+    let row = |status: &str, region: &str| -> Row {
+        let mut value = order("ORD-1", "U1", "1.00");
+        value["status"] = json!(status);
+        value["region"] = json!(region);
+        serde_json::from_value(value).unwrap()
+    };
+    // Six characters of two bytes each fit; a seventh does not.
+    let v2 = t.forward(&row("éééééé", "eu")).unwrap();
+    assert_eq!(v2.get("status"), Some(&json!("éééééé")));
+    let err = t.forward(&row("shipped", "eu")).unwrap_err();
+    assert_eq!(err.column, "status", "{err}");
+    assert!(
+        err.reason
+            .contains("`shipped` is longer than 6 characters: it would be cut (into `status`)"),
+        "{err}"
+    );
+    // The reverse is held to the source's `character(2)`.
+    let mut back = v2.clone();
+    back.insert("region".into(), json!("eu-west"));
+    let err = t.reverse(&back).unwrap_err();
+    assert_eq!(err.column, "region", "{err}");
+    assert!(err.reason.contains("longer than 2 characters"), "{err}");
+    assert_eq!(char_limit("character varying(20)[]"), None);
+    assert_eq!(char_limit("character varying"), None);
+    assert_eq!(char_limit("character(1)"), Some(1));
 }
 
 #[test]

@@ -8,7 +8,7 @@ use refract_schemas::{Columns, Row};
 use regex_lite::Regex;
 use serde_json::Value;
 
-use super::value::{ColumnType, cast, shift_decimal, text};
+use super::value::{ColumnType, cast, char_limit, shift_decimal, text, within};
 
 /// A value a transform could not convert: never written, reported with the row's key.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -65,9 +65,13 @@ struct ColumnMap {
     target: String,
     target_type: ColumnType,
     target_not_null: bool,
+    /// The target's length limit (`character varying(n)`, `character(n)`), in characters.
+    target_chars: Option<usize>,
     source: String,
     source_type: ColumnType,
     source_not_null: bool,
+    /// The source's length limit, for the reverse.
+    source_chars: Option<usize>,
     rule: Rule,
 }
 
@@ -192,9 +196,11 @@ impl Transform {
                 target: name.clone(),
                 target_type,
                 target_not_null: t.not_null,
+                target_chars: char_limit(&t.type_name),
                 source: from.to_owned(),
                 source_type,
                 source_not_null: s.not_null,
+                source_chars: char_limit(&s.type_name),
                 rule,
             });
         }
@@ -292,7 +298,10 @@ impl Transform {
         let mut values = Vec::with_capacity(self.by_target.len());
         for m in &self.by_target {
             let value = row.get(&m.source).unwrap_or(&Value::Null);
-            let converted = m.forward(value).map_err(|reason| ConvertError {
+            let converted = m
+                .forward(value)
+                .and_then(|v| within(v, m.target_chars))
+                .map_err(|reason| ConvertError {
                 column: m.source.clone(),
                 reason: format!("{reason} (into `{}`)", m.target),
             })?;
@@ -313,7 +322,10 @@ impl Transform {
         for &i in &self.by_source {
             let m = &self.by_target[i];
             let value = row.get(&m.target).unwrap_or(&Value::Null);
-            let converted = m.reverse(value).map_err(|reason| ConvertError {
+            let converted = m
+                .reverse(value)
+                .and_then(|v| within(v, m.source_chars))
+                .map_err(|reason| ConvertError {
                 column: m.target.clone(),
                 reason: format!("{reason} (back into `{}`)", m.source),
             })?;

@@ -60,6 +60,28 @@ impl ColumnType {
     }
 }
 
+/// The length limit, in characters, of a column of type `name` as `format_type` prints it:
+/// `n` for `character varying(n)` and `character(n)`, `None` for every other type (arrays
+/// included).
+pub fn char_limit(name: &str) -> Option<usize> {
+    let inner = name
+        .strip_prefix("character varying(")
+        .or_else(|| name.strip_prefix("character("))?;
+    inner.strip_suffix(')')?.parse().ok()
+}
+
+/// `value`, unless it is text longer than `limit` characters. PostgreSQL would refuse it on
+/// assignment, or cut it where it is cast (or where only spaces are over): never a value the
+/// migration writes.
+pub fn within(value: Value, limit: Option<usize>) -> Result<Value, String> {
+    match (&value, limit) {
+        (Value::String(s), Some(n)) if s.chars().count() > n => Err(format!(
+            "`{s}` is longer than {n} characters: it would be cut"
+        )),
+        _ => Ok(value),
+    }
+}
+
 /// `value` (of a column of type `from`) as a value of a column of type `to`, exactly.
 pub fn cast(value: &Value, from: ColumnType, to: ColumnType) -> Result<Value, String> {
     if value.is_null() {
