@@ -12,6 +12,9 @@
 //! written as its `payload`, each Avro schema into the Connect schema JsonConverter would have
 //! written as its `schema`, and from there the JSON codec's own envelope reader and logical-type
 //! conversions ([`crate::debezium::logical`]) run, so the two formats cannot drift apart.
+//! Where a schema allows it (every type but `uuid` and big-decimal), a body is read straight
+//! into the envelope, in one pass, without the JSON in between ([`direct`]); its tests hold it
+//! to the JSON path value for value.
 //!
 //! Debezium names its Connect types (`io.debezium.time.MicroTimestamp`, …) in the `connect.name`
 //! attribute of the Avro type. apache-avro drops the attributes of primitive types when it parses
@@ -23,6 +26,7 @@
 //! `schema` and `payload` halves into an Avro schema and value, which [`encode_confluent`] frames.
 
 mod connect;
+mod direct;
 mod json;
 
 use std::collections::HashMap;
@@ -146,10 +150,31 @@ impl BodyReader {
     }
 }
 
-/// What a decoder keeps of one schema id: its reader and its logical-type converter.
+/// What a decoder keeps of one schema id: its readers and its logical-type converter.
 struct Compiled<C> {
+    /// The general path: apache-avro's value tree, then JSON.
     reader: BodyReader,
+    /// The direct path, for every schema it can read (see [`direct`]).
+    plan: Option<direct::Plan>,
     converter: C,
+}
+
+impl<C> Compiled<C> {
+    fn new(schema: &Schema, converter: C) -> Result<Self, String> {
+        Ok(Self {
+            reader: BodyReader::new(schema)?,
+            plan: direct::Plan::new(schema),
+            converter,
+        })
+    }
+
+    /// A body as the JSON value JsonConverter would have written.
+    fn json(&self, body: &[u8]) -> Result<Value, String> {
+        match &self.plan {
+            Some(plan) => plan.read(body),
+            None => Ok(to_json(self.reader.read(body)?)),
+        }
+    }
 }
 
 /// A reusable decoder of Debezium Avro records; it caches, by schema id, the readers and the
@@ -223,24 +248,21 @@ impl AvroDecoder {
         let compiled = match self.keys.get(&id) {
             Some(c) => c.clone(),
             None => {
-                let reader = BodyReader::new(schema).map_err(|e| format!("key: {e}"))?;
                 let connect = connect_schema(schema).map_err(|e| format!("key schema: {e}"))?;
                 let converter =
                     RowSchema::compile(&connect).map_err(|e| format!("key schema: {e}"))?;
-                let compiled = Arc::new(Compiled { reader, converter });
+                let compiled =
+                    Arc::new(Compiled::new(schema, converter).map_err(|e| format!("key: {e}"))?);
                 self.make_room();
                 self.keys.insert(id, compiled.clone());
                 compiled
             }
         };
-        let avro = compiled
-            .reader
-            .read(body)
-            .map_err(|e| format!("key: {e}"))?;
+        let json = compiled.json(body).map_err(|e| format!("key: {e}"))?;
         let converter = &compiled.converter;
         // A key that is not a record (Debezium's are) gives no key image, as a JsonConverter
         // key with a schema does in the JSON codec.
-        let Value::Object(map) = to_json(avro) else {
+        let Value::Object(map) = json else {
             return Ok(None);
         };
         let mut row = Row::from(map);
@@ -260,18 +282,21 @@ impl AvroDecoder {
         let compiled = match self.values.get(&id) {
             Some(c) => c.clone(),
             None => {
-                let reader = BodyReader::new(schema)?;
                 let connect = connect_schema(schema).map_err(|e| format!("value schema: {e}"))?;
                 let converter = EnvelopeSchema::compile(&connect)?;
-                let compiled = Arc::new(Compiled { reader, converter });
+                let compiled = Arc::new(Compiled::new(schema, converter)?);
                 self.make_room();
                 self.values.insert(id, compiled.clone());
                 compiled
             }
         };
-        let avro = compiled.reader.read(body)?;
-        let payload = to_json(avro);
-        let envelope = Envelope::deserialize(&payload).map_err(|e| json_reason(&e))?;
+        let envelope: Envelope<'_> = match &compiled.plan {
+            Some(plan) => plan.read(body)?,
+            None => {
+                let payload = to_json(compiled.reader.read(body)?);
+                Envelope::deserialize(payload).map_err(|e| json_reason(&e))?
+            }
+        };
         build(
             envelope,
             Some(&compiled.converter),
