@@ -37,13 +37,16 @@ const SCHEMA: &str = r#"{
   ]
 }"#;
 
+/// The generated parts of a [`SCHEMA`] value that nest: the `num` branch, `arr`, `map` and
+/// the values of `list`.
+type Nested = (u8, Vec<Option<i32>>, Vec<(String, String)>, Vec<i32>);
+
 /// A value of [`SCHEMA`] from the generated parts.
-#[allow(clippy::too_many_arguments)]
 fn row(
     (b, i, l, f, d): (bool, i32, i64, f32, f64),
     (bytes, s, fx): (Vec<u8>, String, [u8; 4]),
     (dec, decf, e, opt): (Vec<u8>, [u8; 5], u32, Option<String>),
-    (num, arr, map, list): (u8, Vec<Option<i32>>, Vec<(String, String)>, Vec<i32>),
+    (num, arr, map, list): Nested,
 ) -> AvroValue {
     let colour = |e: u32| AvroValue::Enum(e % 2, ["RED", "GREEN"][(e % 2) as usize].into());
     let mut node = AvroValue::Union(0, Box::new(AvroValue::Null));
