@@ -258,15 +258,20 @@ impl AvroDecoder {
                 compiled
             }
         };
-        let json = compiled.json(body).map_err(|e| format!("key: {e}"))?;
-        let converter = &compiled.converter;
-        // A key that is not a record (Debezium's are) gives no key image, as a JsonConverter
-        // key with a schema does in the JSON codec.
-        let Value::Object(map) = json else {
-            return Ok(None);
+        let mut row = match &compiled.plan {
+            Some(plan) if plan.is_record() => plan.read(body).map_err(|e| format!("key: {e}"))?,
+            _ => {
+                let json = compiled.json(body).map_err(|e| format!("key: {e}"))?;
+                // A key that is not a record (Debezium's are) gives no key image, as a
+                // JsonConverter key with a schema does in the JSON codec.
+                let Value::Object(map) = json else {
+                    return Ok(None);
+                };
+                Row::from(map)
+            }
         };
-        let mut row = Row::from(map);
-        converter
+        compiled
+            .converter
             .convert(&mut row)
             .map_err(|e| format!("key: {e}"))?;
         Ok(Some(row))

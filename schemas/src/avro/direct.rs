@@ -73,6 +73,11 @@ impl Plan {
         })
     }
 
+    /// Whether the schema is a record (read as a map of its fields).
+    pub(crate) fn is_record(&self) -> bool {
+        matches!(self.nodes.first(), Some(Node::Record(_)))
+    }
+
     /// Reads one body, which must be consumed whole, into a `T`.
     pub(crate) fn read<'a, T: Deserialize<'a>>(&'a self, body: &'a [u8]) -> Result<T, String> {
         let mut input = Input {
