@@ -327,7 +327,7 @@ impl<'de> Deserialize<'de> for Row {
                     names.push(name);
                     values.push(value);
                 }
-                Ok(LAST_SHAPE.with(|last| last.borrow_mut().row(names, values)))
+                Ok(SHAPES.with(|shapes| shapes.borrow_mut().row(names, values)))
             }
         }
         deserializer.deserialize_map(RowVisitor)
@@ -364,9 +364,37 @@ impl<'de> Deserialize<'de> for Name<'de> {
 /// one reference count is not written by two threads for long (see [`Columns::renewed`]).
 const SHARED_ROWS: u32 = 4096;
 
+/// Shapes a thread keeps: the rows of a record alternate with its key's (an Avro key is a row
+/// too), and a topic may hold a few tables; one shape would be rebuilt at every turn.
+const SHAPES_KEPT: usize = 4;
+
 thread_local! {
-    /// The field names of the row this thread deserialized last.
-    static LAST_SHAPE: std::cell::RefCell<Shape> = std::cell::RefCell::default();
+    /// The field names of the rows this thread deserialized last.
+    static SHAPES: std::cell::RefCell<Shapes> = std::cell::RefCell::default();
+}
+
+/// The last [`SHAPES_KEPT`] shapes, one replaced in turn by a shape not among them.
+#[derive(Default)]
+struct Shapes {
+    kept: Vec<Shape>,
+    next: usize,
+}
+
+impl Shapes {
+    fn row(&mut self, names: Vec<Name<'_>>, values: Vec<Value>) -> Row {
+        let i = match self.kept.iter().position(|s| s.gives(&names)) {
+            Some(i) => i,
+            None if self.kept.len() < SHAPES_KEPT => {
+                self.kept.push(Shape::default());
+                self.kept.len() - 1
+            }
+            None => {
+                self.next = (self.next + 1) % SHAPES_KEPT;
+                self.next
+            }
+        };
+        self.kept[i].row(names, values)
+    }
 }
 
 /// Field names in the order a document gives them, the row's [`Columns`] they make, and where
@@ -383,10 +411,13 @@ struct Shape {
 }
 
 impl Shape {
+    /// Whether a row of these field names, in this order, has this shape.
+    fn gives(&self, names: &[Name<'_>]) -> bool {
+        names.len() == self.given.len() && names.iter().zip(&self.given).all(|(a, b)| a.0 == **b)
+    }
+
     fn row(&mut self, names: Vec<Name<'_>>, mut values: Vec<Value>) -> Row {
-        let same = names.len() == self.given.len()
-            && names.iter().zip(&self.given).all(|(a, b)| a.0 == **b);
-        if same && self.rows < SHARED_ROWS {
+        if self.gives(&names) && self.rows < SHARED_ROWS {
             self.rows += 1;
             let values = self
                 .order
@@ -440,6 +471,21 @@ mod tests {
         for k in map.keys() {
             assert_eq!(row.get(k), map.get(k));
         }
+    }
+
+    /// Rows of two shapes in turn (an Avro record's rows and its key's) each share their
+    /// shape's columns. (Seen failing when a thread kept one shape: every row made its own.)
+    #[test]
+    fn rows_of_shapes_in_turn_share_their_columns() {
+        let row = |text: &str| -> Row { serde_json::from_str(text).unwrap() };
+        let first = row(r#"{"id": 1, "name": "a"}"#);
+        let key = row(r#"{"id": 1}"#);
+        let second = row(r#"{"id": 2, "name": "b"}"#);
+        let key_again = row(r#"{"id": 2}"#);
+        assert!(Arc::ptr_eq(&first.columns.0, &second.columns.0));
+        assert!(Arc::ptr_eq(&key.columns.0, &key_again.columns.0));
+        assert_eq!(second.get("name"), Some(&Value::from("b")));
+        assert_eq!(key_again.keys().collect::<Vec<_>>(), ["id"]);
     }
 
     #[test]

@@ -54,9 +54,11 @@ struct Owned {
 /// State shared by the polling loop and the rebalance callbacks (both on the consumer thread;
 /// the mutex only satisfies the context's `Sync` bound).
 struct Tracker {
-    /// The decoding thread's input; `None` once the stream has ended.
-    tx: Option<SyncSender<RawBatch>>,
-    pending: RawChunk,
+    /// The decoding threads' inputs, one per thread (see [`decoding`]); empty once the stream
+    /// has ended.
+    tx: Vec<SyncSender<RawBatch>>,
+    /// The messages read and not yet handed over, one chunk per decoding thread.
+    pending: Vec<RawChunk>,
     /// The first and last offset of each partition among `pending`.
     pending_range: HashMap<Arc<str>, (i64, i64)>,
     owned: HashMap<Arc<str>, Owned>,
@@ -272,23 +274,34 @@ impl Context {
     /// Sends the messages read so far to the decoding thread, and so to the runtime (blocking
     /// while its queue is full).
     fn hand_over(&self) {
-        let (chunk, ranges, tx) = {
+        let (chunks, ranges, tx) = {
             let mut tracker = self.tracker();
-            if tracker.pending.is_empty() {
+            if tracker.pending.iter().all(RawChunk::is_empty) {
                 return;
             }
-            // The next chunk is likely as large as this one.
-            let capacity = tracker.pending.bytes();
-            let chunk = std::mem::replace(&mut tracker.pending, RawChunk::with_capacity(capacity));
+            let chunks: Vec<RawChunk> = tracker
+                .pending
+                .iter_mut()
+                .map(|pending| {
+                    // The next chunk is likely as large as this one.
+                    let capacity = pending.bytes();
+                    std::mem::replace(pending, RawChunk::with_capacity(capacity))
+                })
+                .collect();
+            let read: usize = chunks.iter().map(RawChunk::len).sum();
             self.progress
                 .done
-                .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                .fetch_add(read as u64, Ordering::Relaxed);
             let ranges = std::mem::take(&mut tracker.pending_range);
-            (chunk, ranges, tracker.tx.clone())
+            (chunks, ranges, tracker.tx.clone())
         };
-        let Some(tx) = tx else { return };
-        if tx.send(Ok(chunk)).is_err() {
+        if tx.is_empty() {
             return;
+        }
+        for (chunk, tx) in chunks.into_iter().zip(&tx) {
+            if !chunk.is_empty() && tx.send(Ok(chunk)).is_err() {
+                return;
+            }
         }
         let mut tracker = self.tracker();
         for (name, (first, last)) in ranges {
@@ -305,25 +318,40 @@ pub(super) fn partition_name(topic: &str, partition: i32) -> Arc<str> {
     format!("{topic}/{partition}").into()
 }
 
-/// A topic's name, and its partitions' names by number.
-type TopicNames = (Arc<str>, HashMap<i32, Arc<str>>);
+/// A source partition's name and the decoding thread it is decoded on.
+type PartitionName = (Arc<str>, usize);
 
-/// The topic names and [`partition_name`]s of the messages read, each made once.
-#[derive(Default)]
+/// A topic's name, and its partitions' names by number.
+type TopicNames = (Arc<str>, HashMap<i32, PartitionName>);
+
+/// The topic names and [`partition_name`]s of the messages read, each made once, and the
+/// decoding thread of each partition: given in turn as partitions are first read, and kept.
 struct Names {
     /// By topic.
     topics: HashMap<Box<str>, TopicNames>,
     /// The partition looked up last: consecutive messages are mostly of one partition (a
     /// fetched batch), which then costs no hashing.
-    last: Option<(Arc<str>, i32, Arc<str>)>,
+    last: Option<(Arc<str>, i32, PartitionName)>,
+    threads: usize,
+    /// Partitions seen.
+    seen: usize,
 }
 
 impl Names {
-    /// The topic's name and the source partition's name.
-    fn get(&mut self, topic: &str, partition: i32) -> (Arc<str>, Arc<str>) {
-        if let Some((t, p, n)) = &self.last {
+    fn new(threads: usize) -> Self {
+        Self {
+            topics: HashMap::new(),
+            last: None,
+            threads,
+            seen: 0,
+        }
+    }
+
+    /// The topic's name, the source partition's name and its decoding thread.
+    fn get(&mut self, topic: &str, partition: i32) -> (Arc<str>, Arc<str>, usize) {
+        if let Some((t, p, (n, thread))) = &self.last {
             if *p == partition && **t == *topic {
-                return (t.clone(), n.clone());
+                return (t.clone(), n.clone(), *thread);
             }
         }
         if !self.topics.contains_key(topic) {
@@ -334,13 +362,16 @@ impl Names {
             .topics
             .get_mut(topic)
             .expect("the topic was just inserted");
-        let n = partitions
+        let (n, thread) = partitions
             .entry(partition)
-            .or_insert_with(|| partition_name(topic, partition))
+            .or_insert_with(|| {
+                self.seen += 1;
+                (partition_name(topic, partition), self.seen % self.threads)
+            })
             .clone();
         let t = t.clone();
-        self.last = Some((t.clone(), partition, n.clone()));
-        (t, n)
+        self.last = Some((t.clone(), partition, (n.clone(), thread)));
+        (t, n, thread)
     }
 }
 
@@ -356,19 +387,23 @@ impl ConsumerThread {
     /// Creates the consumer and joins the group; starts the decoding thread.
     pub(super) async fn open(setup: Setup<'_>) -> Result<Self, SourceError> {
         let config = setup.config;
-        let decoder = match config.format {
-            KafkaFormat::DebeziumJson => MessageDecoder::new(Box::new(JsonValues::default())),
-            KafkaFormat::DebeziumAvro => MessageDecoder::new(super::avro_values(
-                config,
-                setup.handle.clone(),
-                setup.stop.clone(),
-            )?),
-        };
-        let tx = decoding::spawn(decoder, setup.tx)?;
+        let threads = decoding::threads();
+        let mut tx = Vec::with_capacity(threads);
+        for _ in 0..threads {
+            let decoder = match config.format {
+                KafkaFormat::DebeziumJson => MessageDecoder::new(Box::new(JsonValues::default())),
+                KafkaFormat::DebeziumAvro => MessageDecoder::new(super::avro_values(
+                    config,
+                    setup.handle.clone(),
+                    setup.stop.clone(),
+                )?),
+            };
+            tx.push(decoding::spawn(decoder, setup.tx.clone())?);
+        }
         let context = Context {
             tracker: Mutex::new(Tracker {
-                tx: Some(tx),
-                pending: RawChunk::default(),
+                tx,
+                pending: (0..threads).map(|_| RawChunk::default()).collect(),
                 pending_range: HashMap::new(),
                 owned: HashMap::new(),
             }),
@@ -389,7 +424,7 @@ impl ConsumerThread {
             consumer,
             mode: setup.mode,
             stop: setup.stop,
-            names: Names::default(),
+            names: Names::new(threads),
         })
     }
 
@@ -401,13 +436,13 @@ impl ConsumerThread {
         let context = self.context();
         context.hand_over();
         if let Err(e) = outcome {
-            if let Some(tx) = context.tracker().tx.clone() {
+            if let Some(tx) = context.tracker().tx.first().cloned() {
                 let _ = tx.send(Err(e));
             }
         }
-        // The decoding thread passes on what it was handed and ends; the runtime sees the end
+        // The decoding threads pass on what they were handed and end; the runtime sees the end
         // of the stream, drains and writes its last checkpoint.
-        context.tracker().tx = None;
+        context.tracker().tx.clear();
         let _ = finish.blocking_recv();
         context.closing.store(true, Ordering::Relaxed);
         let checkpoint = durable.borrow().clone();
@@ -430,11 +465,12 @@ impl ConsumerThread {
             }
             match self.consumer.poll(POLL_INTERVAL) {
                 Some(Ok(message)) => {
-                    let (topic, name) = self.names.get(message.topic(), message.partition());
+                    let (topic, name, thread) =
+                        self.names.get(message.topic(), message.partition());
                     let offset = message.offset();
                     let full = {
                         let mut tracker = self.context().tracker();
-                        tracker.pending.push(
+                        tracker.pending[thread].push(
                             &topic,
                             &name,
                             offset,
@@ -446,7 +482,7 @@ impl ConsumerThread {
                             .entry(name)
                             .and_modify(|r| r.1 = offset)
                             .or_insert((offset, offset));
-                        tracker.pending.len() >= CHUNK_MESSAGES
+                        tracker.pending[thread].len() >= CHUNK_MESSAGES
                     };
                     if full {
                         self.context().hand_over();

@@ -1,13 +1,14 @@
-//! The decoding thread: the consumer thread copies each message it polls into a [`RawChunk`]
+//! The decoding threads: the consumer thread copies each message it polls into a [`RawChunk`]
 //! and hands full chunks here, where they are decoded, in the order handed, and sent on to the
-//! runtime. Polling and decoding so run on two cores at once (decoding was about half of the
-//! consumer thread's time, benches/kafka_consume.sh).
+//! runtime. Polling and decoding so run on several cores at once (decoding was about half of
+//! the consumer thread's time, and then the one busy thread, benches/kafka_consume.sh).
 //!
-//! One thread decodes every chunk, one after the other: the order of the messages, of each
-//! partition and so of each key, is the order the consumer read them in, and the decoder's
-//! per-partition state (a tombstone that just follows its delete) sees them in that order.
-//! Both hand-offs are bounded channels, so a slow runtime stops the decoding, which stops the
-//! polling.
+//! Each partition is decoded on one thread, which decodes its chunks one after the other: the
+//! order of a partition's messages, and so of each key, is the order the consumer read them
+//! in, and the decoder's per-partition state (a tombstone that just follows its delete) sees
+//! them in that order. Partitions decoded on different threads reach the runtime in no order
+//! with each other, as partitions have none in Kafka. Both hand-offs are bounded channels, so
+//! a slow runtime stops the decoding, which stops the polling.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -22,6 +23,16 @@ use crate::{SourceError, SourceItem};
 /// Chunks of raw messages waiting for the decoding thread: one being decoded while the
 /// consumer fills the next is all the overlap there is to gain; more would only hold memory.
 const RAW_CHUNKS: usize = 2;
+
+/// Most decoding threads: past a few, the single consumer thread copying the messages out is
+/// the limit.
+const MAX_THREADS: usize = 4;
+
+/// How many decoding threads a source starts: one per core, at least one, at most
+/// [`MAX_THREADS`].
+pub(super) fn threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().clamp(1, MAX_THREADS))
+}
 
 /// What the consumer thread hands to the decoding thread: messages, or the error that ends the
 /// run.
