@@ -348,9 +348,10 @@ fn a_text_longer_than_its_target_column_is_rejected_not_cut() {
         CREATE TABLE notes_v2 (id integer PRIMARY KEY, body character varying(5) NOT NULL);
         INSERT INTO notes VALUES (1, 'abcde'), (2, 'abcdef'), (3, 'ééééé'), (4, 'éééééé'),
                                  (5, 'abcd  ');";
-    let file = COLLATIONS_FILE
-        .replace("tags", "notes")
-        .replace("[columns.code]\n[columns.v]", "[columns.id]\n[columns.body]\ntransform = \"cast\"");
+    let file = COLLATIONS_FILE.replace("tags", "notes").replace(
+        "[columns.code]\n[columns.v]",
+        "[columns.id]\n[columns.body]\ntransform = \"cast\"",
+    );
     let m = Migration::with_file("refract_mig_long", schema, "notes_v2", &file);
     let mut daemon = m.start();
     backfill_converted(&m, "refract");
@@ -364,7 +365,10 @@ fn a_text_longer_than_its_target_column_is_rejected_not_cut() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    let keys: Vec<&str> = rejected.iter().map(|r| r["key"].as_str().unwrap()).collect();
+    let keys: Vec<&str> = rejected
+        .iter()
+        .map(|r| r["key"].as_str().unwrap())
+        .collect();
     assert_eq!(keys, ["(id=2)", "(id=4)", "(id=5)"], "{rejects}");
     assert!(
         rejects.contains("`abcdef` is longer than 5 characters: it would be cut"),

@@ -131,9 +131,7 @@ impl Reader {
                 .key
                 .iter()
                 .enumerate()
-                .map(|(i, k)| {
-                    format!("${}::text::{}", first + i, self.table.cast_type(k))
-                })
+                .map(|(i, k)| format!("${}::text::{}", first + i, self.table.cast_type(k)))
                 .collect();
             format!("({})", p.join(", "))
         };
@@ -184,13 +182,7 @@ impl Reader {
             .key
             .iter()
             .enumerate()
-            .map(|(i, k)| {
-                format!(
-                    "t.{} = u.k{i}::{}",
-                    quote_ident(k),
-                    self.table.cast_type(k)
-                )
-            })
+            .map(|(i, k)| format!("t.{} = u.k{i}::{}", quote_ident(k), self.table.cast_type(k)))
             .collect();
         let arrays: Vec<String> = (1..=self.key.len())
             .map(|i| format!("${i}::text[]"))
@@ -311,9 +303,8 @@ impl Writer {
     /// index: an upsert replaces the row with the same identity values).
     pub fn new(table: &Table, identity: &[String]) -> Self {
         let columns: Vec<String> = table.shape.columns.iter().map(|c| c.name.clone()).collect();
-        let cast = |alias: &str, c: &str| {
-            format!("{alias}.{}::{}", quote_ident(c), table.cast_type(c))
-        };
+        let cast =
+            |alias: &str, c: &str| format!("{alias}.{}::{}", quote_ident(c), table.cast_type(c));
         let arrays = |n: usize| -> String {
             (1..=n)
                 .map(|i| format!("${i}::text[]"))

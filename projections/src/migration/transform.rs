@@ -302,9 +302,9 @@ impl Transform {
                 .forward(value)
                 .and_then(|v| within(v, m.target_chars))
                 .map_err(|reason| ConvertError {
-                column: m.source.clone(),
-                reason: format!("{reason} (into `{}`)", m.target),
-            })?;
+                    column: m.source.clone(),
+                    reason: format!("{reason} (into `{}`)", m.target),
+                })?;
             if converted.is_null() && m.target_not_null {
                 return Err(ConvertError {
                     column: m.source.clone(),
@@ -326,9 +326,9 @@ impl Transform {
                 .reverse(value)
                 .and_then(|v| within(v, m.source_chars))
                 .map_err(|reason| ConvertError {
-                column: m.target.clone(),
-                reason: format!("{reason} (back into `{}`)", m.source),
-            })?;
+                    column: m.target.clone(),
+                    reason: format!("{reason} (back into `{}`)", m.source),
+                })?;
             if converted.is_null() && m.source_not_null {
                 return Err(ConvertError {
                     column: m.target.clone(),

@@ -245,7 +245,9 @@ impl<'a> Input<'a> {
                 return Ok(((z >> 1) as i64) ^ -((z & 1) as i64));
             }
         }
-        Err(corrupt("a variable-length integer longer than 10 bytes".into()))
+        Err(corrupt(
+            "a variable-length integer longer than 10 bytes".into(),
+        ))
     }
 
     fn int(&mut self) -> Result<i32, Error> {
@@ -273,7 +275,9 @@ impl<'a> Input<'a> {
     fn nest(&mut self) -> Result<(), Error> {
         self.depth += 1;
         if self.depth > MAX_DEPTH {
-            return Err(corrupt(format!("values nest deeper than {MAX_DEPTH} levels")));
+            return Err(corrupt(format!(
+                "values nest deeper than {MAX_DEPTH} levels"
+            )));
         }
         Ok(())
     }
@@ -309,9 +313,9 @@ impl<'de> Deserializer<'de> for At<'_, 'de> {
                 // As to_json: the float's shortest text, read as a double (0.1, not 0.10000000149).
                 visitor.visit_f64(f.to_string().parse().unwrap_or(f64::NAN))
             }
-            Node::Double => {
-                visitor.visit_f64(f64::from_le_bytes(input.take(8)?.try_into().expect("8 bytes")))
-            }
+            Node::Double => visitor.visit_f64(f64::from_le_bytes(
+                input.take(8)?.try_into().expect("8 bytes"),
+            )),
             Node::Bytes => visitor.visit_string(base64(input.sized()?)),
             Node::Fixed(n) => visitor.visit_string(base64(input.take(*n)?)),
             Node::Decimal(size) => {
@@ -334,8 +338,8 @@ impl<'de> Deserializer<'de> for At<'_, 'de> {
             Node::Enum(symbols) => {
                 let i = input.int()?;
                 let symbol = usize::try_from(i).ok().and_then(|i| symbols.get(i));
-                let symbol =
-                    symbol.ok_or_else(|| corrupt(format!("enum index {i} of {}", symbols.len())))?;
+                let symbol = symbol
+                    .ok_or_else(|| corrupt(format!("enum index {i} of {}", symbols.len())))?;
                 visitor.visit_borrowed_str(symbol)
             }
             Node::Union(variants) => {
@@ -442,13 +446,17 @@ struct Entries<'i, 'a> {
 impl<'de> MapAccess<'de> for Entries<'_, 'de> {
     type Error = Error;
 
-    fn next_key_seed<K: DeserializeSeed<'de>>(&mut self, seed: K) -> Result<Option<K::Value>, Error> {
+    fn next_key_seed<K: DeserializeSeed<'de>>(
+        &mut self,
+        seed: K,
+    ) -> Result<Option<K::Value>, Error> {
         if !next_in_block(self.input, &mut self.left, &mut self.ended)? {
             return Ok(None);
         }
         let key = std::str::from_utf8(self.input.sized()?)
             .map_err(|e| corrupt(format!("a map key that is not UTF-8: {e}")))?;
-        seed.deserialize(BorrowedStrDeserializer::new(key)).map(Some)
+        seed.deserialize(BorrowedStrDeserializer::new(key))
+            .map(Some)
     }
 
     fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value, Error> {
@@ -485,12 +493,16 @@ struct Fields<'i, 'a> {
 impl<'de> MapAccess<'de> for Fields<'_, 'de> {
     type Error = Error;
 
-    fn next_key_seed<K: DeserializeSeed<'de>>(&mut self, seed: K) -> Result<Option<K::Value>, Error> {
+    fn next_key_seed<K: DeserializeSeed<'de>>(
+        &mut self,
+        seed: K,
+    ) -> Result<Option<K::Value>, Error> {
         let Some((name, node)) = self.fields.next() else {
             return Ok(None);
         };
         self.next = Some(*node);
-        seed.deserialize(BorrowedStrDeserializer::new(name)).map(Some)
+        seed.deserialize(BorrowedStrDeserializer::new(name))
+            .map(Some)
     }
 
     fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value, Error> {

@@ -289,9 +289,7 @@ impl Context {
                 })
                 .collect();
             let read: usize = chunks.iter().map(RawChunk::len).sum();
-            self.progress
-                .done
-                .fetch_add(read as u64, Ordering::Relaxed);
+            self.progress.done.fetch_add(read as u64, Ordering::Relaxed);
             let ranges = std::mem::take(&mut tracker.pending_range);
             (chunks, ranges, tracker.tx.clone())
         };
@@ -349,10 +347,11 @@ impl Names {
 
     /// The topic's name, the source partition's name and its decoding thread.
     fn get(&mut self, topic: &str, partition: i32) -> (Arc<str>, Arc<str>, usize) {
-        if let Some((t, p, (n, thread))) = &self.last {
-            if *p == partition && **t == *topic {
-                return (t.clone(), n.clone(), *thread);
-            }
+        if let Some((t, p, (n, thread))) = &self.last
+            && *p == partition
+            && **t == *topic
+        {
+            return (t.clone(), n.clone(), *thread);
         }
         if !self.topics.contains_key(topic) {
             self.topics
@@ -435,10 +434,10 @@ impl ConsumerThread {
         let outcome = self.read(&mut durable);
         let context = self.context();
         context.hand_over();
-        if let Err(e) = outcome {
-            if let Some(tx) = context.tracker().tx.first().cloned() {
-                let _ = tx.send(Err(e));
-            }
+        if let Err(e) = outcome
+            && let Some(tx) = context.tracker().tx.first().cloned()
+        {
+            let _ = tx.send(Err(e));
         }
         // The decoding threads pass on what they were handed and end; the runtime sees the end
         // of the stream, drains and writes its last checkpoint.

@@ -73,7 +73,10 @@ fn row(
         ("bytes".into(), AvroValue::Bytes(bytes)),
         ("s".into(), AvroValue::String(s)),
         ("fx".into(), AvroValue::Fixed(4, fx.to_vec())),
-        ("fx2".into(), AvroValue::Fixed(4, fx.iter().rev().copied().collect())),
+        (
+            "fx2".into(),
+            AvroValue::Fixed(4, fx.iter().rev().copied().collect()),
+        ),
         ("dec".into(), AvroValue::Decimal(dec.into())),
         ("decf".into(), AvroValue::Decimal(decf.to_vec().into())),
         ("day".into(), AvroValue::Date(i)),
@@ -108,7 +111,11 @@ fn row(
         ),
         (
             "map".into(),
-            AvroValue::Map(map.into_iter().map(|(k, v)| (k, AvroValue::String(v))).collect()),
+            AvroValue::Map(
+                map.into_iter()
+                    .map(|(k, v)| (k, AvroValue::String(v)))
+                    .collect(),
+            ),
         ),
         ("list".into(), node),
     ])
@@ -136,7 +143,12 @@ fn float() -> impl Strategy<Value = f32> {
 }
 
 fn double() -> impl Strategy<Value = f64> {
-    prop_oneof![any::<f64>(), Just(f64::NAN), Just(f64::NEG_INFINITY), Just(1e300)]
+    prop_oneof![
+        any::<f64>(),
+        Just(f64::NAN),
+        Just(f64::NEG_INFINITY),
+        Just(1e300)
+    ]
 }
 
 proptest! {
@@ -174,7 +186,12 @@ fn edges_and_blocks_with_a_negative_count() {
         (true, i32::MIN, i64::MAX, 0.1, -0.0),
         (vec![], "é\u{0}\"".into(), [0, 1, 2, 255]),
         (vec![0xFF], [0xFF; 5], 4, Some(String::new())),
-        (2, vec![Some(i32::MAX), None], vec![("k".into(), "v".into())], vec![1, 2, 3]),
+        (
+            2,
+            vec![Some(i32::MAX), None],
+            vec![("k".into(), "v".into())],
+            vec![1, 2, 3],
+        ),
     );
     let (general, direct, _) = both(&schema, value);
     assert_eq!(general, direct);
