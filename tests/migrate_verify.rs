@@ -377,6 +377,32 @@ fn a_text_longer_than_its_target_column_is_rejected_not_cut() {
     daemon.terminate();
 }
 
+/// A domain over `varchar(n)` (which the transform sees as text of any length): the backfill
+/// stops on the value PostgreSQL refuses, it does not cut it. (Seen failing before: the value
+/// was cast to the domain, which cuts, and `abcdef` arrived as `abc`.)
+#[test]
+fn a_text_longer_than_a_domain_over_varchar_stops_the_backfill_uncut() {
+    let schema = "
+        CREATE DOMAIN short_text AS varchar(3);
+        CREATE TABLE notes (id integer PRIMARY KEY, body text NOT NULL);
+        CREATE TABLE notes_v2 (id integer PRIMARY KEY, body short_text NOT NULL);
+        INSERT INTO notes VALUES (1, 'abc'), (2, 'abcdef');";
+    let file = COLLATIONS_FILE.replace("tags", "notes").replace(
+        "[columns.code]\n[columns.v]",
+        "[columns.id]\n[columns.body]\ntransform = \"cast\"",
+    );
+    let m = Migration::with_file("refract_mig_domain", schema, "notes_v2", &file);
+    let mut daemon = m.start();
+    let out = m.run("backfill", &[]);
+    assert!(!out.status.success(), "backfill: {}", text(&out));
+    assert!(text(&out).contains("value too long"), "{}", text(&out));
+    assert_eq!(
+        m.db.psql("SELECT count(*) FROM notes_v2 WHERE length(body) < 6 AND id = 2"),
+        "0"
+    );
+    daemon.terminate();
+}
+
 /// The source sorts its keys byte by byte, the target in ICU's order: `B` comes before `a` in
 /// the one and after it in the other.
 const COLLATIONS_SCHEMA: &str = r#"

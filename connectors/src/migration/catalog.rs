@@ -21,9 +21,10 @@ pub struct Table {
     /// Each column's collation OID (0 where the type has none), in the same order.
     pub collations: Vec<u32>,
     /// Each column's type as values are cast to it, in the same order: its name without the
-    /// modifier (`"pg_catalog"."varchar"`, not `character varying(20)`). A cast to the full
-    /// type would cut a longer text, or a bit string, without a word; assigned to the column,
-    /// the value is held to the modifier, and a value too long is refused.
+    /// modifier (`"pg_catalog"."varchar"`, not `character varying(20)`), and for a domain the
+    /// type under it. A cast to the full type (or to a domain over `varchar(20)`) would cut a
+    /// longer text, or a bit string, without a word; assigned to the column, the value is held
+    /// to the modifier (and the domain's checks), and a value too long is refused.
     pub casts: Vec<String>,
     /// The table quoted for SQL.
     pub quoted: String,
@@ -62,10 +63,16 @@ pub async fn read_table(client: &Client, table: &str) -> Result<Table, Migration
         .query(
             "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull, \
                     a.atttypid::oid, a.attcollation::oid, \
-                    quote_ident(tn.nspname) || '.' || quote_ident(t.typname) \
+                    (WITH RECURSIVE d(oid) AS ( \
+                         SELECT a.atttypid \
+                         UNION ALL \
+                         SELECT t.typbasetype FROM pg_type t JOIN d ON t.oid = d.oid \
+                         WHERE t.typtype = 'd') \
+                     SELECT quote_ident(n.nspname) || '.' || quote_ident(t.typname) \
+                     FROM d JOIN pg_type t ON t.oid = d.oid \
+                     JOIN pg_namespace n ON n.oid = t.typnamespace \
+                     WHERE t.typtype <> 'd') \
              FROM pg_attribute a \
-             JOIN pg_type t ON t.oid = a.atttypid \
-             JOIN pg_namespace tn ON tn.oid = t.typnamespace \
              WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped \
              ORDER BY a.attnum",
             &[&quoted],
