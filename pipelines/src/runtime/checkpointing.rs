@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use refract_connectors::dead_letter::{DeadLetter, Stage};
 use refract_connectors::{RejectedOp, SinkBatch, SinkError};
+use refract_projections::state::StateError;
 use refract_schemas::config::OnError;
 use refract_schemas::{Checkpoint, Offset, Position};
 use tokio::sync::watch;
@@ -19,6 +20,21 @@ use crate::checkpoint::{CheckpointError, CheckpointStore};
 
 /// How much of a rejected key an error message shows (keys a sink rejects can be very long).
 const SHOWN_KEY_CHARS: usize = 80;
+
+/// A batch ready for its targets, held until its keyed state is durable.
+pub(super) struct HeldBatch {
+    seq: u64,
+    /// What it adds to the checkpoint.
+    end: BTreeMap<Arc<str>, Offset>,
+    jobs: Vec<(usize, Job)>,
+    oldest_commit_ms: Option<i64>,
+}
+
+/// The keyed state commit in flight, and the batch it holds back.
+pub(super) struct Committing {
+    pub(super) task: tokio::task::JoinHandle<Result<(), StateError>>,
+    held: HeldBatch,
+}
 
 /// A dispatched batch waiting for its acknowledgements.
 struct Dispatched {
@@ -161,7 +177,7 @@ impl Processor {
                 (state_end, BTreeMap::new())
             }
         };
-        self.save_state(&state_end).await?;
+        self.save_state().await?;
         let seq = self.inflight.next_seq();
         let mut jobs: Vec<(usize, Job)> = Vec::new();
         for (target, ops) in batch.ops.into_iter().enumerate() {
@@ -178,8 +194,59 @@ impl Processor {
                 },
             ));
         }
+        let held = HeldBatch {
+            seq,
+            end,
+            jobs,
+            oldest_commit_ms: batch.oldest_commit_ms,
+        };
+        match self.keyed.clone() {
+            None => self.deliver(held).await,
+            Some(keyed) => {
+                // The batch before this one goes out once its state is durable; this one's
+                // state is written while the next batch is built.
+                self.settle_commit().await?;
+                let end = state_end.iter().map(|(p, o)| (p.to_string(), *o)).collect();
+                let durable = self.durable.borrow().clone();
+                let commit = keyed.begin_commit(end, &durable)?;
+                self.committing = Some(Committing {
+                    task: tokio::task::spawn_blocking(move || commit.run()),
+                    held,
+                });
+                Ok(())
+            }
+        }
+    }
+
+    /// Waits for the keyed state commit in flight, if any, then dispatches the batch it holds.
+    pub(super) async fn settle_commit(&mut self) -> Result<(), RunError> {
+        if let Some(committing) = self.committing.as_mut() {
+            let result = (&mut committing.task).await.expect("state commit task");
+            self.commit_done(result).await?;
+        }
+        Ok(())
+    }
+
+    /// The keyed state commit in flight ended with `result`: dispatches the batch it held.
+    pub(super) async fn commit_done(
+        &mut self,
+        result: Result<(), StateError>,
+    ) -> Result<(), RunError> {
+        let committing = self.committing.take().expect("a commit was in flight");
+        result?;
+        self.deliver(committing.held).await
+    }
+
+    /// Sends a batch whose state is durable to its targets.
+    async fn deliver(&mut self, held: HeldBatch) -> Result<(), RunError> {
+        let HeldBatch {
+            seq,
+            end,
+            jobs,
+            oldest_commit_ms,
+        } = held;
         self.inflight
-            .dispatched(seq, end, jobs.len(), batch.oldest_commit_ms);
+            .dispatched(seq, end, jobs.len(), oldest_commit_ms);
         for (target, job) in jobs {
             let queue = &self.job_txs[target];
             if queue.send(job).await.is_err() {
@@ -203,11 +270,11 @@ impl Processor {
         self.health.pending_since(oldest);
     }
 
-    /// Saves what the projections learned from a batch ending at `end`, before any of the batch
-    /// is written: their state is then never older than the checkpoint (see
-    /// `Projection::take_state`). So is the keyed state, with the undo records that roll it
-    /// back to the checkpoint.
-    async fn save_state(&mut self, end: &BTreeMap<Arc<str>, Offset>) -> Result<(), RunError> {
+    /// Saves what the projections learned from the batch, before any of the batch is written:
+    /// their state is then never older than the checkpoint (see `Projection::take_state`). The
+    /// keyed state is committed apart, with the undo records that roll it back to the
+    /// checkpoint ([`Processor::send_batch`]).
+    async fn save_state(&mut self) -> Result<(), RunError> {
         for route in &mut self.routes {
             if let Some(state) = route.projection.take_state() {
                 let store = self.store.clone();
@@ -216,14 +283,6 @@ impl Processor {
                     .await
                     .expect("state save task")?;
             }
-        }
-        if let Some(keyed) = &self.keyed {
-            let keyed = keyed.clone();
-            let end = end.iter().map(|(p, o)| (p.to_string(), *o)).collect();
-            let durable = self.durable.borrow().clone();
-            tokio::task::spawn_blocking(move || keyed.commit(end, &durable))
-                .await
-                .expect("state commit task")?;
         }
         Ok(())
     }
@@ -259,8 +318,10 @@ impl Processor {
         }
     }
 
-    /// Waits until every dispatched batch is acknowledged (buffering sinks are told to flush).
+    /// Waits until every dispatched batch is acknowledged (buffering sinks are told to flush),
+    /// the one waiting for its state commit dispatched first.
     pub(super) async fn drain(&mut self) -> Result<(), RunError> {
+        self.settle_commit().await?;
         if !self.inflight.is_empty() {
             for tx in &self.job_txs {
                 if tx.send(Job::Flush).await.is_err() {

@@ -11,8 +11,13 @@
 //! and replaying from there projects every event as the first time. Undo records are deleted
 //! once the checkpoint covering their batch is durable.
 //!
-//! Memory holds only the current batch's overlay and redb's page cache (bounded by
-//! [`CACHE_BYTES`]); the rest is on disk.
+//! A commit runs beside the next batch ([`KeyedState::begin_commit`], [`Commit::run`]): the
+//! batch's overlay becomes the *committing* overlay, which reads still see until the commit is
+//! done, while the projections fill a new pending overlay. One commit at a time. The runtime
+//! dispatches a batch to its sinks only once its commit is done.
+//!
+//! Memory holds the overlays of the batch being built and of the one being committed, and
+//! redb's page cache (bounded by [`CACHE_BYTES`]); the rest is on disk.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::Bound;
@@ -44,13 +49,18 @@ pub struct KeyedState {
     inner: Arc<Mutex<Inner>>,
 }
 
+/// Writes not yet committed, in key order: `None` removes the key.
+type Overlay = BTreeMap<Vec<u8>, Option<Vec<u8>>>;
+
 struct Inner {
-    db: Database,
+    db: Arc<Database>,
     path: PathBuf,
     /// The committed entries (`None` before the first commit creates the table).
     committed: Option<ReadOnlyTable<&'static [u8], &'static [u8]>>,
-    /// Writes of the batch being built: `None` removes the key.
-    pending: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    /// Writes of the batch being built.
+    pending: Overlay,
+    /// Writes of the batch being committed, until its commit is done.
+    committing: Option<Arc<Overlay>>,
     next_batch: u64,
     /// Whether commits keep undo records (not for a scratch store).
     undo: bool,
@@ -98,10 +108,11 @@ impl KeyedState {
             .create(path)
             .map_err(|e| fail(path, e))?;
         let mut inner = Inner {
-            db,
+            db: Arc::new(db),
             path: path.to_owned(),
             committed: None,
             pending: BTreeMap::new(),
+            committing: None,
             next_batch: 1,
             undo,
             undoable: VecDeque::new(),
@@ -139,7 +150,110 @@ impl KeyedState {
         end: Vec<(String, Offset)>,
         durable: &Checkpoint,
     ) -> Result<(), StateError> {
-        self.lock().commit(end, durable)
+        self.begin_commit(end, durable)?.run()
+    }
+
+    /// Begins [`KeyedState::commit`]: the current batch's writes stay readable, and the next
+    /// batch's go to a new overlay, while [`Commit::run`] writes them (off the async threads).
+    /// Fails while another commit is running.
+    pub fn begin_commit(
+        &self,
+        end: Vec<(String, Offset)>,
+        durable: &Checkpoint,
+    ) -> Result<Commit, StateError> {
+        let mut inner = self.lock();
+        if inner.committing.is_some() {
+            return Err(inner.fail("a commit began while the one before it was running"));
+        }
+        let prunable = inner
+            .undoable
+            .iter()
+            .take_while(|(_, end)| covered(end, durable))
+            .count();
+        let prune: Vec<u64> = inner.undoable.drain(..prunable).map(|(id, _)| id).collect();
+        let writes = Arc::new(std::mem::take(&mut inner.pending));
+        let mut batch = None;
+        if !writes.is_empty() {
+            inner.committing = Some(writes.clone());
+            if inner.undo {
+                let id = inner.next_batch;
+                inner.next_batch += 1;
+                let record: BTreeMap<&str, (u64, u64)> =
+                    end.iter().map(|(p, o)| (p.as_str(), (o.0, o.1))).collect();
+                batch = Some((
+                    id,
+                    serde_json::to_vec(&record).expect("positions serialize"),
+                ));
+                inner.undoable.push_back((id, end));
+            }
+        }
+        Ok(Commit {
+            state: self.clone(),
+            db: inner.db.clone(),
+            path: inner.path.clone(),
+            writes,
+            batch,
+            prune,
+        })
+    }
+}
+
+/// A commit begun by [`KeyedState::begin_commit`], to [`Commit::run`].
+pub struct Commit {
+    state: KeyedState,
+    db: Arc<Database>,
+    path: PathBuf,
+    /// The batch's writes (also the committing overlay reads see).
+    writes: Arc<Overlay>,
+    /// The batch's id and its checkpoint record, when its undo records are kept.
+    batch: Option<(u64, Vec<u8>)>,
+    /// Batches whose undo records the durable checkpoint made useless.
+    prune: Vec<u64>,
+}
+
+impl Commit {
+    /// Writes the batch in one fsynced redb transaction (its undo records too), then lets
+    /// reads see the committed entries. Blocking. A failure fails the run: the batch's writes
+    /// are gone from the overlays, and no batch may be dispatched past it.
+    pub fn run(self) -> Result<(), StateError> {
+        let fail = |e: &dyn std::fmt::Display| fail(&self.path, e);
+        if self.writes.is_empty() && self.prune.is_empty() {
+            return Ok(());
+        }
+        let txn = self.db.begin_write().map_err(|e| fail(&e))?;
+        {
+            let mut entries = txn.open_table(ENTRIES).map_err(|e| fail(&e))?;
+            let mut undo = txn.open_table(UNDO).map_err(|e| fail(&e))?;
+            let mut batches = txn.open_table(BATCHES).map_err(|e| fail(&e))?;
+            for &id in &self.prune {
+                batches.remove(id).map_err(|e| fail(&e))?;
+                undo.retain_in((id, 0)..(id + 1, 0), |_, _| false)
+                    .map_err(|e| fail(&e))?;
+            }
+            if let Some((id, record)) = &self.batch {
+                batches
+                    .insert(*id, record.as_slice())
+                    .map_err(|e| fail(&e))?;
+            }
+            let mut buffer = Vec::new();
+            for (n, (key, value)) in self.writes.iter().enumerate() {
+                let old = match value {
+                    Some(v) => entries.insert(key.as_slice(), v.as_slice()),
+                    None => entries.remove(key.as_slice()),
+                }
+                .map_err(|e| fail(&e))?;
+                if let Some((id, _)) = &self.batch {
+                    encode_undo(&mut buffer, key, old.as_ref().map(|o| o.value()));
+                    undo.insert((*id, n as u64), buffer.as_slice())
+                        .map_err(|e| fail(&e))?;
+                }
+            }
+        }
+        txn.commit().map_err(|e| fail(&e))?;
+        // The committed entries and the end of the committing overlay, in one step for reads.
+        let mut inner = self.state.lock();
+        inner.committing = None;
+        inner.refresh()
     }
 }
 
@@ -211,6 +325,9 @@ impl Inner {
         if let Some(v) = self.pending.get(key) {
             return Ok(v.clone());
         }
+        if let Some(v) = self.committing.as_ref().and_then(|c| c.get(key)) {
+            return Ok(v.clone());
+        }
         match &self.committed {
             Some(t) => Ok(t
                 .get(key)
@@ -220,17 +337,20 @@ impl Inner {
         }
     }
 
-    /// Visits committed and pending entries under `prefix` in key order, pending ones winning.
+    /// Visits committed, committing and pending entries under `prefix` in key order, pending
+    /// ones winning over committing ones, and both over committed ones.
     fn scan(
         &self,
         prefix: &[u8],
         visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
     ) -> Result<(), StateError> {
-        let mut pending = self
-            .pending
-            .range::<[u8], _>((Bound::Included(prefix), Bound::Unbounded))
-            .take_while(|(k, _)| k.starts_with(prefix))
-            .peekable();
+        let empty = Overlay::new();
+        let committing = self.committing.as_deref().unwrap_or(&empty);
+        let mut pending = Merged {
+            over: under_prefix(&self.pending, prefix).peekable(),
+            under: under_prefix(committing, prefix).peekable(),
+        }
+        .peekable();
         let mut committed = match &self.committed {
             Some(t) => Some(t.range::<&[u8]>(prefix..).map_err(|e| self.fail(e))?),
             None => None,
@@ -280,63 +400,45 @@ impl Inner {
             }
         }
     }
+}
 
-    fn commit(
-        &mut self,
-        end: Vec<(String, Offset)>,
-        durable: &Checkpoint,
-    ) -> Result<(), StateError> {
-        let prunable = self
-            .undoable
-            .iter()
-            .take_while(|(_, end)| covered(end, durable))
-            .count();
-        if self.pending.is_empty() && prunable == 0 {
-            return Ok(());
-        }
-        let txn = self.db.begin_write().map_err(|e| self.fail(e))?;
-        {
-            let mut entries = txn.open_table(ENTRIES).map_err(|e| self.fail(e))?;
-            let mut undo = txn.open_table(UNDO).map_err(|e| self.fail(e))?;
-            let mut batches = txn.open_table(BATCHES).map_err(|e| self.fail(e))?;
-            for (id, _) in self.undoable.drain(..prunable) {
-                batches.remove(id).map_err(|e| fail(&self.path, e))?;
-                undo.retain_in((id, 0)..(id + 1, 0), |_, _| false)
-                    .map_err(|e| fail(&self.path, e))?;
+/// The entries of `overlay` under `prefix`, in key order.
+fn under_prefix<'a>(
+    overlay: &'a Overlay,
+    prefix: &'a [u8],
+) -> impl Iterator<Item = (&'a Vec<u8>, &'a Option<Vec<u8>>)> + 'a {
+    overlay
+        .range::<[u8], _>((Bound::Included(prefix), Bound::Unbounded))
+        .take_while(move |(k, _)| k.starts_with(prefix))
+}
+
+/// Two overlays' entries in key order, `over`'s winning on a key both have.
+struct Merged<'a, O, U>
+where
+    O: Iterator<Item = (&'a Vec<u8>, &'a Option<Vec<u8>>)>,
+    U: Iterator<Item = (&'a Vec<u8>, &'a Option<Vec<u8>>)>,
+{
+    over: std::iter::Peekable<O>,
+    under: std::iter::Peekable<U>,
+}
+
+impl<'a, O, U> Iterator for Merged<'a, O, U>
+where
+    O: Iterator<Item = (&'a Vec<u8>, &'a Option<Vec<u8>>)>,
+    U: Iterator<Item = (&'a Vec<u8>, &'a Option<Vec<u8>>)>,
+{
+    type Item = (&'a Vec<u8>, &'a Option<Vec<u8>>);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        match (self.over.peek(), self.under.peek()) {
+            (Some((o, _)), Some((u, _))) if o == u => {
+                self.under.next();
+                self.over.next()
             }
-            if !self.undo {
-                for (key, value) in std::mem::take(&mut self.pending) {
-                    match value {
-                        Some(v) => entries.insert(key.as_slice(), v.as_slice()).map(drop),
-                        None => entries.remove(key.as_slice()).map(drop),
-                    }
-                    .map_err(|e| fail(&self.path, e))?;
-                }
-            } else if !self.pending.is_empty() {
-                let id = self.next_batch;
-                self.next_batch += 1;
-                let record: BTreeMap<&str, (u64, u64)> =
-                    end.iter().map(|(p, o)| (p.as_str(), (o.0, o.1))).collect();
-                let record = serde_json::to_vec(&record).expect("positions serialize");
-                batches
-                    .insert(id, record.as_slice())
-                    .map_err(|e| self.fail(e))?;
-                let mut buffer = Vec::new();
-                for (n, (key, value)) in std::mem::take(&mut self.pending).into_iter().enumerate() {
-                    let old = match value {
-                        Some(v) => entries.insert(key.as_slice(), v.as_slice()),
-                        None => entries.remove(key.as_slice()),
-                    }
-                    .map_err(|e| fail(&self.path, e))?;
-                    encode_undo(&mut buffer, &key, old.as_ref().map(|o| o.value()));
-                    undo.insert((id, n as u64), buffer.as_slice())
-                        .map_err(|e| fail(&self.path, e))?;
-                }
-                self.undoable.push_back((id, end));
-            }
+            (Some((o, _)), Some((u, _))) if u < o => self.under.next(),
+            (Some(_), _) => self.over.next(),
+            (None, _) => self.under.next(),
         }
-        txn.commit().map_err(|e| self.fail(e))?;
-        self.refresh()
     }
 }
 

@@ -15,7 +15,7 @@ use refract_schemas::{ChangeEvent, Checkpoint, Offset, Position, Record};
 use tokio::sync::{mpsc, watch};
 
 use super::batch::{Batch, BatchLimits, route_ops};
-use super::checkpointing::InFlight;
+use super::checkpointing::{Committing, InFlight};
 use super::delivery::{Ack, Job};
 use super::keyed_state::KeyedState;
 use super::metrics::ProcessorMetrics;
@@ -51,6 +51,8 @@ pub(super) struct Processor {
     pub(super) in_transaction: bool,
     /// The projections' keyed state, made durable with each batch.
     pub(super) keyed: Option<KeyedState>,
+    /// The keyed state commit running beside the batch being built, and the batch it holds.
+    pub(super) committing: Option<Committing>,
     /// The durable checkpoint (undo records of the keyed state before it are dropped).
     pub(super) durable: watch::Receiver<Checkpoint>,
     /// The position of the last change outside a marked transaction, whose effects are due at
@@ -94,6 +96,12 @@ impl Processor {
                     tracing::info!("shutdown requested: draining and checkpointing");
                     stopping = true;
                     source.stop();
+                }
+                // A batch goes out as soon as its state is durable, not with the next one.
+                result = async { (&mut self.committing.as_mut().expect("checked").task).await },
+                    if self.committing.is_some() =>
+                {
+                    self.commit_done(result.expect("state commit task")).await?;
                 }
                 _ = sleep_until(deadline) => self.dispatch().await?,
                 chunk = source.next_chunk() => match chunk? {

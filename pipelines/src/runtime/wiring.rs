@@ -360,6 +360,7 @@ pub(super) fn new_processor(
         inflight: InFlight::new(resumed.clone(), cp_tx),
         in_transaction: false,
         keyed,
+        committing: None,
         durable,
         last_position: None,
         scratch: Vec::new(),

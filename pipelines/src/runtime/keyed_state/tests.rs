@@ -31,6 +31,21 @@ fn pairs(items: &[(&str, &str)]) -> Vec<(String, String)> {
         .collect()
 }
 
+fn scanned(store: &mut Box<dyn StateStore>, prefix: &[u8]) -> Vec<String> {
+    let mut seen = Vec::new();
+    store
+        .scan_prefix(prefix, &mut |k, v| {
+            seen.push(format!(
+                "{}={}",
+                String::from_utf8_lossy(k),
+                String::from_utf8_lossy(v)
+            ));
+            true
+        })
+        .unwrap();
+    seen
+}
+
 #[test]
 fn a_restart_undoes_every_batch_past_the_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
@@ -115,17 +130,10 @@ fn scans_merge_pending_writes_over_committed_ones_per_projection() {
     a.remove(b"k4").unwrap();
     a.put(b"k3", b"added").unwrap();
     a.put(b"k5", b"added").unwrap();
-    let mut seen = Vec::new();
-    a.scan_prefix(b"k", &mut |k, v| {
-        seen.push(format!(
-            "{}={}",
-            String::from_utf8_lossy(k),
-            String::from_utf8_lossy(v)
-        ));
-        true
-    })
-    .unwrap();
-    assert_eq!(seen, ["k1=old", "k2=new", "k3=added", "k5=added"]);
+    assert_eq!(
+        scanned(&mut a, b"k"),
+        ["k1=old", "k2=new", "k3=added", "k5=added"]
+    );
     // Stopping early stops.
     let mut count = 0;
     a.scan_prefix(b"k", &mut |_, _| {
@@ -137,6 +145,60 @@ fn scans_merge_pending_writes_over_committed_ones_per_projection() {
     assert_eq!(a.get(b"k4").unwrap(), None);
     assert_eq!(b.get(b"k2").unwrap(), None);
     assert_eq!(all(&mut b), pairs(&[("k3", "other projection")]));
+}
+
+#[test]
+fn a_batch_being_committed_stays_readable_under_the_next_ones_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    {
+        let (state, _) = KeyedState::open(&path, &Checkpoint::new()).unwrap();
+        let mut a = state.handle("a");
+        for k in ["k1", "k2", "k3", "k4"] {
+            a.put(k.as_bytes(), b"committed").unwrap();
+        }
+        state.commit(end(1), &Checkpoint::new()).unwrap();
+        // Batch 2, begun but not yet written: a reader sees it over the committed entries.
+        a.put(b"k2", b"committing").unwrap();
+        a.remove(b"k3").unwrap();
+        a.put(b"k5", b"committing").unwrap();
+        a.put(b"k6", b"committing").unwrap();
+        let commit = state.begin_commit(end(2), &cp(1)).unwrap();
+        // Batch 3 writes over both.
+        a.put(b"k1", b"pending").unwrap();
+        a.remove(b"k5").unwrap();
+        a.put(b"k3", b"pending").unwrap();
+        let expected = [
+            "k1=pending",
+            "k2=committing",
+            "k3=pending",
+            "k4=committed",
+            "k6=committing",
+        ];
+        assert_eq!(scanned(&mut a, b"k"), expected);
+        assert_eq!(a.get(b"k5").unwrap(), None);
+        assert_eq!(a.get(b"k2").unwrap().as_deref(), Some(&b"committing"[..]));
+        // One commit at a time.
+        assert!(state.begin_commit(end(3), &cp(1)).is_err());
+        commit.run().unwrap();
+        // Written: the same entries, now from the committed table.
+        assert_eq!(scanned(&mut a, b"k"), expected);
+        state.commit(end(3), &cp(1)).unwrap();
+        assert_eq!(scanned(&mut a, b"k"), expected);
+    }
+    // Batches 2 and 3 were not covered by a checkpoint: undone, newest first.
+    let (state, recovery) = KeyedState::open(&path, &cp(1)).unwrap();
+    assert_eq!(recovery.batches_undone, 2);
+    let mut a = state.handle("a");
+    assert_eq!(
+        scanned(&mut a, b""),
+        [
+            "k1=committed",
+            "k2=committed",
+            "k3=committed",
+            "k4=committed"
+        ]
+    );
 }
 
 /// The shipped book documents' projection, on a store handle.
