@@ -216,6 +216,15 @@ impl Commit {
     /// reads see the committed entries. Blocking. A failure fails the run: the batch's writes
     /// are gone from the overlays, and no batch may be dispatched past it.
     pub fn run(self) -> Result<(), StateError> {
+        let written = self.write();
+        // The committed entries and the end of the committing overlay, in one step for reads.
+        let mut inner = self.state.lock();
+        inner.committing = None;
+        written?;
+        inner.refresh()
+    }
+
+    fn write(&self) -> Result<(), StateError> {
         let fail = |e: &dyn std::fmt::Display| fail(&self.path, e);
         if self.writes.is_empty() && self.prune.is_empty() {
             return Ok(());
@@ -249,11 +258,7 @@ impl Commit {
                 }
             }
         }
-        txn.commit().map_err(|e| fail(&e))?;
-        // The committed entries and the end of the committing overlay, in one step for reads.
-        let mut inner = self.state.lock();
-        inner.committing = None;
-        inner.refresh()
+        txn.commit().map_err(|e| fail(&e))
     }
 }
 
