@@ -382,7 +382,8 @@ struct Shapes {
 
 impl Shapes {
     fn row(&mut self, names: Vec<Name<'_>>, values: Vec<Value>) -> Row {
-        let i = match self.kept.iter().position(|s| s.gives(&names)) {
+        let found = self.kept.iter().position(|s| s.gives(&names));
+        let i = match found {
             Some(i) => i,
             None if self.kept.len() < SHAPES_KEPT => {
                 self.kept.push(Shape::default());
@@ -393,7 +394,7 @@ impl Shapes {
                 self.next
             }
         };
-        self.kept[i].row(names, values)
+        self.kept[i].row(found.is_some(), names, values)
     }
 }
 
@@ -416,8 +417,10 @@ impl Shape {
         names.len() == self.given.len() && names.iter().zip(&self.given).all(|(a, b)| a.0 == **b)
     }
 
-    fn row(&mut self, names: Vec<Name<'_>>, mut values: Vec<Value>) -> Row {
-        if self.gives(&names) && self.rows < SHARED_ROWS {
+    /// The row of `values` named `names`; `same`: they are this shape's names (checked by
+    /// the caller, once).
+    fn row(&mut self, same: bool, names: Vec<Name<'_>>, mut values: Vec<Value>) -> Row {
+        if same && self.rows < SHARED_ROWS {
             self.rows += 1;
             let values = self
                 .order

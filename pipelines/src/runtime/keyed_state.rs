@@ -216,6 +216,10 @@ impl Commit {
     /// reads see the committed entries. Blocking. A failure fails the run: the batch's writes
     /// are gone from the overlays, and no batch may be dispatched past it.
     pub fn run(self) -> Result<(), StateError> {
+        if self.writes.is_empty() && self.prune.is_empty() {
+            // Nothing was made the committing overlay, and the committed view stays current.
+            return Ok(());
+        }
         let written = self.write();
         // The committed entries and the end of the committing overlay, in one step for reads.
         let mut inner = self.state.lock();
@@ -226,9 +230,6 @@ impl Commit {
 
     fn write(&self) -> Result<(), StateError> {
         let fail = |e: &dyn std::fmt::Display| fail(&self.path, e);
-        if self.writes.is_empty() && self.prune.is_empty() {
-            return Ok(());
-        }
         let txn = self.db.begin_write().map_err(|e| fail(&e))?;
         {
             let mut entries = txn.open_table(ENTRIES).map_err(|e| fail(&e))?;
@@ -351,7 +352,7 @@ impl Inner {
     ) -> Result<(), StateError> {
         let empty = Overlay::new();
         let committing = self.committing.as_deref().unwrap_or(&empty);
-        let mut pending = Merged {
+        let mut overlay = Merged {
             over: under_prefix(&self.pending, prefix).peekable(),
             under: under_prefix(committing, prefix).peekable(),
         }
@@ -379,22 +380,22 @@ impl Inner {
         };
         let mut stored = next_committed()?;
         loop {
-            let take_pending = match (pending.peek(), &stored) {
+            let take_overlay = match (overlay.peek(), &stored) {
                 (None, None) => return Ok(()),
                 (Some(_), None) => true,
                 (None, Some(_)) => false,
                 (Some((pk, _)), Some((sk, _))) => pk.as_slice() <= sk.as_slice(),
             };
-            if take_pending {
-                let (k, v) = pending.next().expect("peeked");
+            if take_overlay {
+                let (k, v) = overlay.next().expect("peeked");
                 if stored.as_ref().is_some_and(|(sk, _)| sk == k) {
-                    // The pending write replaces the committed value.
+                    // The overlay's write replaces the committed value.
                     stored = next_committed()?;
                 }
-                if let Some(v) = v {
-                    if !visit(k, v) {
-                        return Ok(());
-                    }
+                if let Some(v) = v
+                    && !visit(k, v)
+                {
+                    return Ok(());
                 }
             } else {
                 let (k, v) = stored.take().expect("checked");
@@ -411,30 +412,29 @@ impl Inner {
 fn under_prefix<'a>(
     overlay: &'a Overlay,
     prefix: &'a [u8],
-) -> impl Iterator<Item = (&'a Vec<u8>, &'a Option<Vec<u8>>)> + 'a {
+) -> impl Iterator<Item = Entry<'a>> + 'a {
     overlay
         .range::<[u8], _>((Bound::Included(prefix), Bound::Unbounded))
         .take_while(move |(k, _)| k.starts_with(prefix))
 }
 
+/// An overlay's entry: a key and its value (`None`: removed).
+type Entry<'a> = (&'a Vec<u8>, &'a Option<Vec<u8>>);
+
 /// Two overlays' entries in key order, `over`'s winning on a key both have.
-struct Merged<'a, O, U>
-where
-    O: Iterator<Item = (&'a Vec<u8>, &'a Option<Vec<u8>>)>,
-    U: Iterator<Item = (&'a Vec<u8>, &'a Option<Vec<u8>>)>,
-{
+struct Merged<O: Iterator, U: Iterator> {
     over: std::iter::Peekable<O>,
     under: std::iter::Peekable<U>,
 }
 
-impl<'a, O, U> Iterator for Merged<'a, O, U>
+impl<'a, O, U> Iterator for Merged<O, U>
 where
-    O: Iterator<Item = (&'a Vec<u8>, &'a Option<Vec<u8>>)>,
-    U: Iterator<Item = (&'a Vec<u8>, &'a Option<Vec<u8>>)>,
+    O: Iterator<Item = Entry<'a>>,
+    U: Iterator<Item = Entry<'a>>,
 {
-    type Item = (&'a Vec<u8>, &'a Option<Vec<u8>>);
+    type Item = Entry<'a>;
 
-    fn next(&mut self) -> Option<Self::Item> {
+    fn next(&mut self) -> Option<Entry<'a>> {
         match (self.over.peek(), self.under.peek()) {
             (Some((o, _)), Some((u, _))) if o == u => {
                 self.under.next();
