@@ -16,7 +16,6 @@ pub mod encode;
 mod key;
 pub mod logical;
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -29,6 +28,7 @@ use crate::event::{
     ChangeEvent, KafkaCoordinates, Op, Position, Record, Row, SourceInfo, TableId, TxBoundary,
     TxInfo, TxStatus,
 };
+use crate::row::Text;
 use logical::EnvelopeSchema;
 
 /// How many distinct envelope schemas a decoder remembers; wrapped records repeat a handful of
@@ -153,7 +153,7 @@ pub(crate) struct Envelope<'a> {
     #[serde(default)]
     after: Option<Row>,
     #[serde(borrow, default)]
-    op: Option<Cow<'a, str>>,
+    op: Option<Text<'a>>,
     #[serde(borrow, default)]
     source: Option<RawSource<'a>>,
     #[serde(default)]
@@ -192,13 +192,13 @@ fn present_any<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error>
 #[derive(Deserialize, Default)]
 struct RawSource<'a> {
     #[serde(borrow, default)]
-    connector: Option<Cow<'a, str>>,
+    connector: Option<Text<'a>>,
     #[serde(borrow, default)]
-    db: Option<Cow<'a, str>>,
+    db: Option<Text<'a>>,
     #[serde(borrow, default)]
-    schema: Option<Cow<'a, str>>,
+    schema: Option<Text<'a>>,
     #[serde(borrow, default)]
-    table: Option<Cow<'a, str>>,
+    table: Option<Text<'a>>,
     #[serde(default)]
     lsn: Option<u64>,
     #[serde(default, rename = "txId")]
@@ -384,7 +384,8 @@ pub(crate) fn build(
     let Some(op_code) = env.op else {
         return transaction_marker(env.status, env.id, env.event_count, env.ts_ms, position);
     };
-    let op = Op::from_code(&op_code)
+    let op_code: &str = &op_code;
+    let op = Op::from_code(op_code)
         .ok_or_else(|| format!("unknown op `{op_code}` (expected one of c, u, d, r, t)"))?;
     let source = env.source.ok_or("missing `source` block")?;
     let Some(table) = source.table.as_deref() else {

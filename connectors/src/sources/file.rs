@@ -38,9 +38,6 @@ type Tagged = (u64, usize, Result<Vec<SourceItem>, SourceError>);
 
 const NO_WORKER: usize = usize::MAX;
 
-/// How long an idle decode worker waits for work before it frees the chunks returned to it.
-const IDLE_FREE: Duration = Duration::from_millis(100);
-
 /// The file source.
 pub struct FileSource {
     config: FileSourceConfig,
@@ -247,14 +244,9 @@ impl Worker {
         // A returned chunk's vector, emptied, holds the next chunk's items.
         let mut spare: Vec<SourceItem> = Vec::new();
         loop {
-            let job = self.jobs.recv_timeout(IDLE_FREE);
-            for mut old in self.recycled.try_iter() {
-                old.clear();
-                self.freed.fetch_add(1, Ordering::Relaxed);
-                if old.capacity() > spare.capacity() {
-                    spare = old;
-                }
-            }
+            let job = self.jobs.recv_timeout(super::IDLE_FREE);
+            let freed = super::free_recycled(&self.recycled, &mut spare);
+            self.freed.fetch_add(freed, Ordering::Relaxed);
             let job = match job {
                 Ok(job) => job,
                 Err(RecvTimeoutError::Timeout) => continue,

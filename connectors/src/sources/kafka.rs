@@ -15,8 +15,9 @@
 //! released uncommitted and the next owner reads them again (at least once; the sinks' position
 //! guard keeps the older write from winning).
 //!
-//! **Threads.** One thread polls the consumer and copies the messages into chunks; a second
-//! one decodes the chunks, in the order read, and sends them to the runtime ([`decoding`]).
+//! **Threads.** One thread polls the consumer and copies the messages into chunks; decoding
+//! threads decode them, each partition's in the order read, send them to the runtime, and free
+//! them once the runtime hands them back ([`decoding`]).
 //! Both hand-offs are bounded channels (backpressure: a full channel stops the decoding, then
 //! the polling, and librdkafka's own fetch queue is bounded). The rebalance callbacks run on
 //! the polling thread; a revoke waits for what was handed to the decoding thread too.
@@ -59,7 +60,11 @@ pub(crate) const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct KafkaSource {
     config: KafkaSourceConfig,
     context: SourceContext,
-    rx: Option<mpsc::Receiver<Result<Vec<SourceItem>, SourceError>>>,
+    rx: Option<mpsc::Receiver<decoding::Chunk>>,
+    /// Where each decoding thread takes its chunks back.
+    recyclers: Vec<decoding::Recycler>,
+    /// The decoding thread of the chunk handed out last.
+    last_thread: usize,
     stop: Arc<AtomicBool>,
     progress: Arc<consumer::Progress>,
     /// Tells the consumer thread the run's last checkpoint is written: commit it and leave.
@@ -74,6 +79,8 @@ impl KafkaSource {
             config,
             context,
             rx: None,
+            recyclers: Vec::new(),
+            last_thread: 0,
             stop: Arc::default(),
             progress: Arc::default(),
             finish: None,
@@ -93,7 +100,7 @@ impl Source for KafkaSource {
         let (tx, rx) = mpsc::channel(CHANNEL_CHUNKS);
         let (finish_tx, finish_rx) = oneshot::channel();
         let (done_tx, done_rx) = oneshot::channel();
-        let thread = consumer::ConsumerThread::open(consumer::Setup {
+        let (thread, recyclers) = consumer::ConsumerThread::open(consumer::Setup {
             config: &self.config,
             pipeline: &self.context.pipeline,
             mode,
@@ -115,6 +122,7 @@ impl Source for KafkaSource {
                 source: Some(e),
             })?;
         self.rx = Some(rx);
+        self.recyclers = recyclers;
         self.finish = Some(finish_tx);
         self.done = Some(done_rx);
         Ok(())
@@ -125,8 +133,20 @@ impl Source for KafkaSource {
             return Ok(None);
         };
         match rx.recv().await {
-            Some(chunk) => chunk.map(Some),
+            Some(chunk) => {
+                let decoded = chunk?;
+                self.last_thread = decoded.thread;
+                Ok(Some(decoded.items))
+            }
             None => Ok(None),
+        }
+    }
+
+    fn recycle(&mut self, items: Vec<SourceItem>) {
+        // If the thread has ended (the stream is over), the send fails and the chunk is freed
+        // here.
+        if let Some(thread) = self.recyclers.get(self.last_thread) {
+            let _ = thread.send(items);
         }
     }
 

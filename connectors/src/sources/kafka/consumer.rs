@@ -19,7 +19,7 @@ use refract_schemas::config::{KafkaFormat, KafkaSourceConfig, KafkaStart};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::decode::{JsonValues, MessageDecoder};
-use super::decoding::{self, Chunk, RawBatch, RawChunk};
+use super::decoding::{self, Chunk, RawBatch, RawChunk, Recycler};
 use super::metrics;
 use super::{CHUNK_MESSAGES, DRAIN_TIMEOUT, POLL_INTERVAL};
 use crate::{ReadMode, SourceError};
@@ -383,12 +383,14 @@ pub(super) struct ConsumerThread {
 }
 
 impl ConsumerThread {
-    /// Creates the consumer and joins the group; starts the decoding thread.
-    pub(super) async fn open(setup: Setup<'_>) -> Result<Self, SourceError> {
+    /// Creates the consumer and joins the group; starts the decoding threads, and returns where
+    /// each takes its decoded chunks back.
+    pub(super) async fn open(setup: Setup<'_>) -> Result<(Self, Vec<Recycler>), SourceError> {
         let config = setup.config;
         let threads = decoding::threads();
         let mut tx = Vec::with_capacity(threads);
-        for _ in 0..threads {
+        let mut recyclers = Vec::with_capacity(threads);
+        for thread in 0..threads {
             let decoder = match config.format {
                 KafkaFormat::DebeziumJson => MessageDecoder::new(Box::new(JsonValues::default())),
                 KafkaFormat::DebeziumAvro => MessageDecoder::new(super::avro_values(
@@ -397,7 +399,9 @@ impl ConsumerThread {
                     setup.stop.clone(),
                 )?),
             };
-            tx.push(decoding::spawn(decoder, setup.tx.clone())?);
+            let inputs = decoding::spawn(thread, decoder, setup.tx.clone())?;
+            tx.push(inputs.raw);
+            recyclers.push(inputs.recycler);
         }
         let context = Context {
             tracker: Mutex::new(Tracker {
@@ -419,12 +423,13 @@ impl ConsumerThread {
         consumer
             .subscribe(&topics)
             .map_err(|e| io(format!("cannot subscribe to {topics:?}: {e}")))?;
-        Ok(Self {
+        let thread = Self {
             consumer,
             mode: setup.mode,
             stop: setup.stop,
             names: Names::new(threads),
-        })
+        };
+        Ok((thread, recyclers))
     }
 
     /// Reads until stopped (or caught up), then waits for the run's last checkpoint, commits it
