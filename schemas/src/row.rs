@@ -410,56 +410,58 @@ fn read_fields<'de, A: MapAccess<'de>>(
 }
 
 impl Shapes {
-    /// Reads a row. When its first field is the first of a kept shape, each value goes
-    /// straight to its column as long as the names follow that shape: no vector of names, no
-    /// second vector of values (a decoding thread reads millions of rows of one shape). A row
-    /// that leaves the shape is read on the general way, from where it left.
+    /// Reads a row. While its field names follow a kept shape, each value goes straight to its
+    /// column: no vector of names, no second vector of values (a decoding thread reads millions
+    /// of rows of a few shapes). Where the names part from the shape, another kept shape with
+    /// the same names so far takes over (rows of two tables whose first column is `id`); a
+    /// row that follows none is read the general way from there.
     fn read<'de, A: MapAccess<'de>>(&mut self, mut access: A) -> Result<Row, A::Error> {
         let Some(first) = access.next_key::<Text<'de>>()? else {
             return Ok(self.row(Vec::new(), Vec::new()));
         };
-        let kept = self
-            .kept
-            .iter()
-            .position(|s| s.rows < SHARED_ROWS && s.given.first().is_some_and(|g| **g == *first));
-        let Some(i) = kept else {
+        let Some(mut i) = self.kept.iter().position(|s| s.continues(0, &first)) else {
             let value = access.next_value()?;
             let (names, values) = read_fields(access, vec![first], vec![value])?;
             return Ok(self.row(names, values));
         };
-        let shape = &self.kept[i];
-        let n = shape.given.len();
-        let mut values = vec![Value::Null; n];
-        values[shape.slot[0]] = access.next_value()?;
+        let mut values = vec![Value::Null; self.kept[i].given.len()];
+        values[self.kept[i].slot[0]] = access.next_value()?;
         let mut read = 1;
         let mut off = None;
         while let Some(name) = access.next_key::<Text<'de>>()? {
-            if read < n && shape.given[read] == *name {
-                values[shape.slot[read]] = access.next_value()?;
-                read += 1;
-            } else {
-                off = Some(name);
-                break;
+            if !self.kept[i].continues(read, &name) {
+                let so_far = &self.kept[i].given[..read];
+                let other = self
+                    .kept
+                    .iter()
+                    .position(|s| s.given.get(..read) == Some(so_far) && s.continues(read, &name));
+                let Some(j) = other else {
+                    off = Some(name);
+                    break;
+                };
+                values = self.kept[i].moved(&self.kept[j], read, values);
+                i = j;
             }
+            values[self.kept[i].slot[read]] = access.next_value()?;
+            read += 1;
         }
-        if off.is_none() && read == n {
-            let shape = &mut self.kept[i];
+        let shape = &mut self.kept[i];
+        if off.is_none() && read == shape.given.len() {
             shape.rows += 1;
             return Ok(Row {
                 columns: shape.columns.clone(),
                 values,
             });
         }
-        // Off the shape: the fields read so far, in the order given, then the rest.
-        let names: Vec<Text<'de>> = shape.given[..read]
+        // Off every shape: the fields read so far, in the order given, then the rest.
+        let mut names: Vec<Text<'de>> = shape.given[..read]
             .iter()
             .map(|g| Text(g.clone().into()))
             .collect();
-        let given: Vec<Value> = shape.slot[..read]
+        let mut given: Vec<Value> = shape.slot[..read]
             .iter()
             .map(|&c| std::mem::take(&mut values[c]))
             .collect();
-        let (mut names, mut given) = (names, given);
         if let Some(name) = off {
             names.push(name);
             given.push(access.next_value()?);
@@ -501,6 +503,22 @@ struct Shape {
 }
 
 impl Shape {
+    /// Whether field number `read` named `name` follows this shape (and its columns may still
+    /// be shared).
+    fn continues(&self, read: usize, name: &str) -> bool {
+        self.rows < SHARED_ROWS && self.given.get(read).is_some_and(|g| g == name)
+    }
+
+    /// `values`, placed in this shape's columns, placed in `other`'s instead; both shapes give
+    /// the same first `read` fields, the only ones read.
+    fn moved(&self, other: &Shape, read: usize, mut values: Vec<Value>) -> Vec<Value> {
+        let mut moved = vec![Value::Null; other.given.len()];
+        for field in 0..read {
+            moved[other.slot[field]] = std::mem::take(&mut values[self.slot[field]]);
+        }
+        moved
+    }
+
     /// Whether a row of these field names, in this order, has this shape.
     fn gives(&self, names: &[Text<'_>]) -> bool {
         names.len() == self.given.len() && names.iter().zip(&self.given).all(|(a, b)| a.0 == **b)
