@@ -288,6 +288,7 @@ impl Reader {
         self.catalog = connect(self.url.expose()).await?;
         self.tx = None;
         self.chunk.clear();
+        self.hand_over_at = None;
         let from = self.last_sent.or(self.resumed_from);
         let (start, skip) = resume_point(from);
         self.skip_through = skip;
@@ -354,6 +355,15 @@ impl Reader {
                         None => continue,
                     }
                 }
+                () = async {
+                    match self.hand_over_at {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    self.flush(out).await?;
+                    continue;
+                }
                 event = replication.recv() => event,
             };
             let event = match event {
@@ -403,7 +413,9 @@ impl Reader {
     ) -> Result<bool, SourceError> {
         let Offset(lsn, seq) = durable_at;
         replication.update_applied_lsn(Lsn::from_u64(if seq == u64::MAX { lsn + 1 } else { lsn }));
-        let mut in_flight_free = nothing_in_flight(durable_at, self.tx.is_some(), self.last_sent);
+        let unsent = !self.chunk.is_empty();
+        let mut in_flight_free =
+            nothing_in_flight(durable_at, self.tx.is_some(), unsent, self.last_sent);
         self.resumed_from = Some(durable_at);
         // Reads whose every row is durable are complete.
         let mut backfilled = false;
@@ -414,8 +426,10 @@ impl Reader {
                 // The read's last row was the last thing handed out: with it durable, nothing
                 // is in flight, so an idle stream lets the slot follow the server (or the slot
                 // would stay at the snapshot until the next change of a published table).
-                in_flight_free |=
-                    Some(*end) == self.last_sent && self.tx.is_none() && self.copy.is_none();
+                in_flight_free |= Some(*end) == self.last_sent
+                    && self.tx.is_none()
+                    && !unsent
+                    && self.copy.is_none();
             }
         }
         self.copy_ends.retain(|(end, _)| durable_at < *end);
@@ -472,7 +486,7 @@ impl Reader {
                 *in_flight_free = false;
             }
             ReplicationEvent::XLogData { data, .. } => return Ok(self.data_looked_up(data).await),
-            ReplicationEvent::Commit { .. } => self.commit(out, in_flight_free).await?,
+            ReplicationEvent::Commit { .. } => self.commit(in_flight_free)?,
             ReplicationEvent::Message {
                 prefix,
                 lsn,
@@ -507,9 +521,9 @@ impl Reader {
         Ok(None)
     }
 
-    /// A COMMIT: hands out the transaction with its COMMIT marker, or forgets it when nothing
-    /// of it was for this pipeline.
-    async fn commit(&mut self, out: &Chunks, in_flight_free: &mut bool) -> Result<(), SourceError> {
+    /// A COMMIT: ends the transaction with its COMMIT marker, handed out within
+    /// `COMMIT_HAND_OVER_DELAY`, or forgets it when nothing of it was for this pipeline.
+    fn commit(&mut self, in_flight_free: &mut bool) -> Result<(), SourceError> {
         let Some(tx) = self.tx.take() else {
             return Err(SourceError::Inconsistent(
                 "COMMIT without BEGIN in the replication stream".into(),
@@ -520,7 +534,10 @@ impl Reader {
         } else {
             self.marker(TxStatus::End, Offset(tx.lsn, u64::MAX), &tx);
             self.last_commit = Some(tx.lsn);
-            self.flush(out).await?;
+            // Handed out with the transactions committed in the next moment, if any (see
+            // `COMMIT_HAND_OVER_DELAY`).
+            self.hand_over_at
+                .get_or_insert_with(|| tokio::time::Instant::now() + COMMIT_HAND_OVER_DELAY);
         }
         Ok(())
     }
@@ -584,6 +601,7 @@ impl Reader {
     }
 
     pub(super) async fn flush(&mut self, out: &Chunks) -> Result<(), SourceError> {
+        self.hand_over_at = None;
         if self.chunk.is_empty() {
             return Ok(());
         }
@@ -610,12 +628,19 @@ impl Reader {
 }
 
 /// Whether nothing handed out is still in flight once `durable` is: a transaction's end is
-/// durable, none is open, and neither is anything handed out after it (`last_sent`). The rows of
+/// durable, none is open, nothing read waits to be handed out (`unsent`: committed
+/// transactions wait up to `COMMIT_HAND_OVER_DELAY`), and nothing was handed out after it
+/// (`last_sent`). The rows of
 /// a snapshot read into the stream come after the last commit: that commit being durable is not
 /// enough, or the slot would confirm the transactions after them before the rows are durable
 /// (and a crash would then lose those transactions).
-fn nothing_in_flight(durable: Offset, tx_open: bool, last_sent: Option<Offset>) -> bool {
-    durable.1 == u64::MAX && !tx_open && last_sent.is_none_or(|sent| durable >= sent)
+fn nothing_in_flight(
+    durable: Offset,
+    tx_open: bool,
+    unsent: bool,
+    last_sent: Option<Offset>,
+) -> bool {
+    durable.1 == u64::MAX && !tx_open && !unsent && last_sent.is_none_or(|sent| durable >= sent)
 }
 
 #[cfg(test)]
@@ -626,23 +651,26 @@ mod tests {
     fn the_slot_is_free_only_when_everything_handed_out_is_durable() {
         let end = |lsn| Offset(lsn, u64::MAX);
         // Streaming: the last transaction handed out is durable.
-        assert!(nothing_in_flight(end(100), false, Some(end(100))));
-        assert!(nothing_in_flight(end(100), false, None));
+        assert!(nothing_in_flight(end(100), false, false, Some(end(100))));
+        assert!(nothing_in_flight(end(100), false, false, None));
         // An earlier one only, or one still open.
-        assert!(!nothing_in_flight(end(90), false, Some(end(100))));
-        assert!(!nothing_in_flight(end(100), true, Some(end(100))));
+        assert!(!nothing_in_flight(end(90), false, false, Some(end(100))));
+        assert!(!nothing_in_flight(end(100), true, false, Some(end(100))));
         // Inside a huge transaction cut into batches.
         assert!(!nothing_in_flight(
             Offset(100, 7),
+            false,
             false,
             Some(Offset(100, 7))
         ));
         // A backfill's rows at (C - 1, …) handed out after the transaction at 100: its end being
         // durable leaves the rows in flight; so does the rows' own progress.
         let last_row = Offset(199, snapshot::CopySnapshot::seq(0, 5_000));
-        assert!(!nothing_in_flight(end(100), false, Some(last_row)));
-        assert!(!nothing_in_flight(last_row, false, Some(last_row)));
+        assert!(!nothing_in_flight(end(100), false, false, Some(last_row)));
+        assert!(!nothing_in_flight(last_row, false, false, Some(last_row)));
         // The first transaction after the rows, durable: free again.
-        assert!(nothing_in_flight(end(250), false, Some(end(250))));
+        assert!(nothing_in_flight(end(250), false, false, Some(end(250))));
+        // Transactions committed after it, read and not yet handed out: in flight.
+        assert!(!nothing_in_flight(end(250), false, true, Some(end(250))));
     }
 }
