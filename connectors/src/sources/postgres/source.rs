@@ -835,7 +835,8 @@ struct Reader {
     /// or were handed out before the connection was lost.
     skip_through: Option<Offset>,
     caught_up: CaughtUp,
-    /// The commit LSN of the last transaction handed out.
+    /// The commit LSN of the last transaction read (handed out with its chunk, at most
+    /// [`COMMIT_HAND_OVER_DELAY`] later): what comes after it in the stream is positioned after it.
     last_commit: Option<u64>,
     /// When the committed transactions waiting in the chunk are handed out at the latest.
     hand_over_at: Option<tokio::time::Instant>,
