@@ -201,6 +201,32 @@ fn a_batch_being_committed_stays_readable_under_the_next_ones_writes() {
     );
 }
 
+#[test]
+fn a_key_put_and_removed_in_one_batch_is_forgotten_unless_a_value_lies_below() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, _) = KeyedState::open(&dir.path().join("s.redb"), &Checkpoint::new()).unwrap();
+    let mut a = state.handle("a");
+    // Only the pending overlay held it: nothing is left to walk past.
+    a.put(b"mark", b"").unwrap();
+    a.remove(b"mark").unwrap();
+    assert!(state.lock().pending.is_empty());
+    // Committed below: the removal must be kept, and committed.
+    a.put(b"c", b"1").unwrap();
+    state.commit(end(1), &Checkpoint::new()).unwrap();
+    a.put(b"c", b"2").unwrap();
+    a.remove(b"c").unwrap();
+    // Held by the batch being committed: the removal must be kept too.
+    a.put(b"m", b"1").unwrap();
+    let commit = state.begin_commit(end(2), &cp(1)).unwrap();
+    a.put(b"m", b"2").unwrap();
+    a.remove(b"m").unwrap();
+    assert_eq!(a.get(b"c").unwrap(), None);
+    assert_eq!(a.get(b"m").unwrap(), None);
+    commit.run().unwrap();
+    state.commit(end(3), &cp(2)).unwrap();
+    assert_eq!(all(&mut a), pairs(&[]));
+}
+
 /// The shipped book documents' projection, on a store handle.
 fn book_docs(state: &KeyedState) -> Box<dyn refract_projections::Projection> {
     let text = include_str!("../../../authors-books.toml");
