@@ -227,6 +227,26 @@ fn a_key_put_and_removed_in_one_batch_is_forgotten_unless_a_value_lies_below() {
     assert_eq!(all(&mut a), pairs(&[]));
 }
 
+#[test]
+fn a_prefix_found_empty_is_scanned_again_once_a_commit_wrote_under_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, _) = KeyedState::open(&dir.path().join("s.redb"), &Checkpoint::new()).unwrap();
+    let mut a = state.handle("a");
+    a.put(b"other", b"1").unwrap();
+    state.commit(end(1), &Checkpoint::new()).unwrap();
+    assert!(scanned(&mut a, b"d").is_empty());
+    a.put(b"d1", b"x").unwrap();
+    assert_eq!(scanned(&mut a, b"d"), ["d1=x"]);
+    state.commit(end(2), &cp(1)).unwrap();
+    assert_eq!(scanned(&mut a, b"d"), ["d1=x"]);
+    // Written while a commit runs, read from the committing overlay, then from the table.
+    a.put(b"d2", b"y").unwrap();
+    let commit = state.begin_commit(end(3), &cp(2)).unwrap();
+    assert_eq!(scanned(&mut a, b"d"), ["d1=x", "d2=y"]);
+    commit.run().unwrap();
+    assert_eq!(scanned(&mut a, b"d"), ["d1=x", "d2=y"]);
+}
+
 /// The shipped book documents' projection, on a store handle.
 fn book_docs(state: &KeyedState) -> Box<dyn refract_projections::Projection> {
     let text = include_str!("../../../authors-books.toml");
