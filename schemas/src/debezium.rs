@@ -50,9 +50,12 @@ pub struct DecodeError {
 pub struct DebeziumDecoder {
     schemas: HashMap<Box<str>, Arc<EnvelopeSchema>>,
     names: Interner,
-    /// simd-json parses in place: each record is copied here first.
+    /// simd-json parses in place: each record is copied here first, followed by the padding
+    /// its vector loads read past the end (so simd-json does not copy it once more).
     scratch: Vec<u8>,
     buffers: Option<simd_json::Buffers>,
+    /// simd-json's tape of the record parsed last, emptied: its allocation serves the next one.
+    tape: Option<simd_json::Tape<'static>>,
     keys: key::SimpleKeys,
 }
 
@@ -255,18 +258,31 @@ impl DebeziumDecoder {
         let Self {
             scratch,
             buffers,
+            tape: spare,
             names,
             ..
         } = self;
         scratch.clear();
         scratch.extend_from_slice(bytes);
+        scratch.resize(bytes.len() + simd_json::INPUT_PADDING, b' ');
         let buffers = buffers.get_or_insert_with(|| simd_json::Buffers::new(bytes.len()));
-        if let Ok(envelope) =
-            simd_json::serde::from_slice_with_buffers::<Envelope<'_>>(scratch, buffers)
-        {
-            if envelope.is_bare() {
-                return build(envelope, None, &position, names).map_err(fail);
+        let mut tape = spare.take().unwrap_or_else(simd_json::Tape::null).reset();
+        let built = match simd_json::fill_tape_padded(scratch, bytes.len(), buffers, &mut tape) {
+            Ok(()) => {
+                let mut tape = simd_json::Deserializer::from_tape(tape);
+                let built = match Envelope::deserialize(&mut tape) {
+                    Ok(envelope) if envelope.is_bare() => {
+                        Some(build(envelope, None, &position, names))
+                    }
+                    _ => None,
+                };
+                *spare = Some(tape.into_tape().reset());
+                built
             }
+            Err(_) => None,
+        };
+        if let Some(built) = built {
+            return built.map_err(fail);
         }
         let raw: RawRecord<'_> =
             serde_json::from_slice(bytes).map_err(|e| fail(json_reason(&e)))?;

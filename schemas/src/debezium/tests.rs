@@ -166,3 +166,34 @@ fn schema_cache_serves_repeated_schemas() {
     }
     assert_eq!(d.schemas.len(), 1);
 }
+
+proptest::proptest! {
+    /// One decoder reads envelopes one after another (simd-json's tape and scratch buffer are
+    /// reused, strings unescaped in place): each after image holds exactly the text written,
+    /// whatever it escapes and however long it is next to the record before.
+    #[test]
+    fn envelopes_read_in_turn_keep_every_string_as_written(
+        names in proptest::collection::vec(proptest::prelude::any::<String>(), 1..12),
+        pad in proptest::collection::vec("[a-z\"\\\\\n\u{e9}]{0,80}", 1..12),
+    ) {
+        let mut decoder = DebeziumDecoder::new();
+        for (i, name) in names.iter().enumerate() {
+            let note = &pad[i % pad.len()];
+            let line = json!({
+                "before": null,
+                "after": {"id": i, "name": name, "note": note},
+                "op": "c",
+                "source": {"schema": "public", "table": "t\"ab\\le"},
+            })
+            .to_string();
+            let Ok(Record::Change(e)) = decoder.decode(line.as_bytes(), pos(i as u64)) else {
+                panic!("not decoded: {line}");
+            };
+            let after = e.after.as_deref().expect("an after image");
+            proptest::prop_assert_eq!(&after["name"], &json!(name));
+            proptest::prop_assert_eq!(&after["note"], &json!(note));
+            proptest::prop_assert_eq!(&after["id"], &json!(i));
+            proptest::prop_assert_eq!(&*e.table.name, "t\"ab\\le");
+        }
+    }
+}
