@@ -269,14 +269,14 @@ impl DebeziumDecoder {
         let mut tape = spare.take().unwrap_or_else(simd_json::Tape::null).reset();
         let built = match simd_json::fill_tape_padded(scratch, bytes.len(), buffers, &mut tape) {
             Ok(()) => {
-                let mut tape = simd_json::Deserializer::from_tape(tape);
-                let built = match Envelope::deserialize(&mut tape) {
+                let mut de = simd_json::Deserializer::from_tape(tape);
+                let built = match Envelope::deserialize(&mut de) {
                     Ok(envelope) if envelope.is_bare() => {
                         Some(build(envelope, None, &position, names))
                     }
                     _ => None,
                 };
-                *spare = Some(tape.into_tape().reset());
+                *spare = Some(de.into_tape().reset());
                 built
             }
             Err(_) => None,

@@ -346,13 +346,24 @@ impl Inner {
         if let Some(v) = self.committing.as_ref().and_then(|c| c.get(key)) {
             return Ok(v.clone());
         }
+        Ok(self.stored(key)?.map(|v| v.value().to_vec()))
+    }
+
+    /// The committed value of `key`; not looked up under a prefix a scan found empty.
+    fn stored(
+        &self,
+        key: &[u8],
+    ) -> Result<Option<redb::AccessGuard<'static, &'static [u8]>>, StateError> {
         match &self.committed {
-            Some(t) => Ok(t
-                .get(key)
-                .map_err(|e| self.fail(e))?
-                .map(|v| v.value().to_vec())),
-            None => Ok(None),
+            Some(t) if !self.known_empty(key) => t.get(key).map_err(|e| self.fail(e)),
+            _ => Ok(None),
         }
+    }
+
+    /// Whether the committed entries hold nothing under `prefix`, as a scan found since the
+    /// last commit.
+    fn known_empty(&self, prefix: &[u8]) -> bool {
+        self.empty_below.iter().any(|p| prefix.starts_with(p))
     }
 
     /// Removes `key` in the pending overlay. A key that only the pending overlay holds (the
@@ -376,10 +387,7 @@ impl Inner {
         if let Some(v) = self.committing.as_ref().and_then(|c| c.get(key)) {
             return Ok(v.is_some());
         }
-        match &self.committed {
-            Some(t) => Ok(t.get(key).map_err(|e| self.fail(e))?.is_some()),
-            None => Ok(false),
-        }
+        Ok(self.stored(key)?.is_some())
     }
 
     /// Visits committed, committing and pending entries under `prefix` in key order, pending
@@ -396,7 +404,7 @@ impl Inner {
             under: under_prefix(committing, prefix).peekable(),
         }
         .peekable();
-        let known_empty = self.empty_below.iter().any(|p| prefix.starts_with(p));
+        let known_empty = self.known_empty(prefix);
         let mut committed = match &self.committed {
             Some(t) if !known_empty => Some(
                 t.range::<&[u8]>(prefix..)

@@ -2,6 +2,13 @@ use redb::ReadableTableMetadata;
 
 use super::*;
 
+/// A new store in a directory of its own (kept while the directory lives).
+fn fresh() -> (tempfile::TempDir, KeyedState) {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, _) = KeyedState::open(&dir.path().join("s.redb"), &Checkpoint::new()).unwrap();
+    (dir, state)
+}
+
 fn cp(offset: u64) -> Checkpoint {
     Checkpoint::from([("p".to_string(), Offset(offset, 0))])
 }
@@ -117,8 +124,7 @@ fn covered_batches_are_kept_and_their_undo_records_pruned() {
 
 #[test]
 fn scans_merge_pending_writes_over_committed_ones_per_projection() {
-    let dir = tempfile::tempdir().unwrap();
-    let (state, _) = KeyedState::open(&dir.path().join("s.redb"), &Checkpoint::new()).unwrap();
+    let (_dir, state) = fresh();
     let mut a = state.handle("a");
     let mut b = state.handle("b");
     for k in ["k1", "k2", "k4", "x"] {
@@ -203,8 +209,7 @@ fn a_batch_being_committed_stays_readable_under_the_next_ones_writes() {
 
 #[test]
 fn a_key_put_and_removed_in_one_batch_is_forgotten_unless_a_value_lies_below() {
-    let dir = tempfile::tempdir().unwrap();
-    let (state, _) = KeyedState::open(&dir.path().join("s.redb"), &Checkpoint::new()).unwrap();
+    let (_dir, state) = fresh();
     let mut a = state.handle("a");
     // Only the pending overlay held it: nothing is left to walk past.
     a.put(b"mark", b"").unwrap();
@@ -229,8 +234,7 @@ fn a_key_put_and_removed_in_one_batch_is_forgotten_unless_a_value_lies_below() {
 
 #[test]
 fn a_prefix_found_empty_is_scanned_again_once_a_commit_wrote_under_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let (state, _) = KeyedState::open(&dir.path().join("s.redb"), &Checkpoint::new()).unwrap();
+    let (_dir, state) = fresh();
     let mut a = state.handle("a");
     a.put(b"other", b"1").unwrap();
     state.commit(end(1), &Checkpoint::new()).unwrap();
@@ -239,6 +243,8 @@ fn a_prefix_found_empty_is_scanned_again_once_a_commit_wrote_under_it() {
     assert_eq!(scanned(&mut a, b"d"), ["d1=x"]);
     state.commit(end(2), &cp(1)).unwrap();
     assert_eq!(scanned(&mut a, b"d"), ["d1=x"]);
+    // A point read under the prefix found empty before the commit, too.
+    assert_eq!(a.get(b"d1").unwrap().as_deref(), Some(&b"x"[..]));
     // Written while a commit runs, read from the committing overlay, then from the table.
     a.put(b"d2", b"y").unwrap();
     let commit = state.begin_commit(end(3), &cp(2)).unwrap();

@@ -630,10 +630,9 @@ impl Reader {
 /// Whether nothing handed out is still in flight once `durable` is: a transaction's end is
 /// durable, none is open, nothing read waits to be handed out (`unsent`: committed
 /// transactions wait up to `COMMIT_HAND_OVER_DELAY`), and nothing was handed out after it
-/// (`last_sent`). The rows of
-/// a snapshot read into the stream come after the last commit: that commit being durable is not
-/// enough, or the slot would confirm the transactions after them before the rows are durable
-/// (and a crash would then lose those transactions).
+/// (`last_sent`). The rows of a snapshot read into the stream come after the last commit: that
+/// commit being durable is not enough, or the slot would confirm the transactions after them
+/// before the rows are durable (and a crash would then lose those transactions).
 fn nothing_in_flight(
     durable: Offset,
     tx_open: bool,
